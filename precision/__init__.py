@@ -1,0 +1,46 @@
+"""precision: numeric-precision recipes for training with JAX, Flax and Optax.
+
+Public surface (see ARCHITECTURE.md): Policy and get_policy (jmp's grammar), Recipe and
+get_recipe, float-format facts (`precision.formats`), the faithful-rounding switch,
+stochastic rounding, and the subpackages flax, audit, optim, fp8, parallel, checkpoint.
+"""
+
+from precision import formats
+from precision import ops
+from precision import rounding
+from precision._numerics import enable_faithful_rounding
+from precision._numerics import faithful_rounding_enabled
+from precision._policy import Policy
+from precision._policy import cast_floating
+from precision._policy import dtype_name
+from precision._policy import get_policy
+from precision._policy import parse_dtype
+from precision._recipe import DEFAULT_FP32_OPS
+from precision._recipe import Fp8Config
+from precision._recipe import LossScaleConfig
+from precision._recipe import PRESETS
+from precision._recipe import Recipe
+from precision._recipe import get_recipe
+from precision.rounding import stochastic_round
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_FP32_OPS",
+    "Fp8Config",
+    "LossScaleConfig",
+    "PRESETS",
+    "Policy",
+    "Recipe",
+    "cast_floating",
+    "dtype_name",
+    "enable_faithful_rounding",
+    "faithful_rounding_enabled",
+    "formats",
+    "get_policy",
+    "get_recipe",
+    "ops",
+    "parse_dtype",
+    "rounding",
+    "stochastic_round",
+]

@@ -1,0 +1,177 @@
+"""Policy: which dtype parameters live in, computations run in, and outputs leave in.
+
+The string grammar is jmp's (google-deepmind/jmp), extended with fp8 names:
+
+  "p=f32,c=bf16,o=f32"     keys p|params, c|compute, o|output
+  "c=bf16"                 params default to f32, compute follows params, output follows compute
+  "bf16"                   a bare dtype sets all three
+
+Casts touch floating leaves only: integer, bool and PRNG-key leaves pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+# Canonical short name first: str(policy) uses it.
+_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.float32): ("f32", "full", "float32"),
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(jnp.float16): ("f16", "float16", "half"),
+    np.dtype(jnp.float64): ("f64", "float64"),
+    np.dtype(jnp.float8_e4m3fn): ("e4m3", "float8_e4m3fn"),
+    np.dtype(jnp.float8_e5m2): ("e5m2", "float8_e5m2"),
+}
+_NAME_TO_DTYPE: dict[str, np.dtype] = {
+    name: dt for dt, names in _DTYPE_NAMES.items() for name in names
+}
+_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output"}
+
+
+def _accepted_dtypes() -> str:
+  return ", ".join(sorted(_NAME_TO_DTYPE))
+
+
+def parse_dtype(value: Any) -> np.dtype:
+  """Parses a dtype name (jmp's aliases plus fp8 names) or a dtype-like into a float np.dtype.
+
+  Note: jmp maps "half" to bf16 on TPU and f16 elsewhere; we always map it to f16 so a
+  policy string means the same thing on every backend.
+  """
+  if isinstance(value, str):
+    key = value.strip()
+    if key not in _NAME_TO_DTYPE:
+      raise ValueError(
+          f"Unknown dtype {value!r}; accepted names: {_accepted_dtypes()}")
+    return _NAME_TO_DTYPE[key]
+  try:
+    dt = np.dtype(value)
+  except TypeError as e:
+    raise ValueError(f"Not a dtype: {value!r}; accepted names: {_accepted_dtypes()}") from e
+  if dt not in _DTYPE_NAMES:
+    raise ValueError(
+        f"Policy dtypes must be floating point formats, got {dt.name!r}; "
+        f"accepted: {_accepted_dtypes()}")
+  return dt
+
+
+def dtype_name(dtype: Any) -> str:
+  """Canonical short name of a float dtype ("f32", "bf16", "f16", "f64", "e4m3", "e5m2")."""
+  return _DTYPE_NAMES[parse_dtype(dtype)][0]
+
+
+def _is_floating_array(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  # PRNG key arrays have an extended dtype that is not a numpy floating type.
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return False
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+  """Casts every floating leaf of `tree` to `dtype`; other leaves pass through untouched."""
+  dtype = np.dtype(dtype)
+
+  def cast(x):
+    if _is_floating_array(x) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree_util.tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Param / compute / output dtypes of a mixed-precision module (jmp-compatible).
+
+  Examples:
+    >>> p = Policy("f32", "bf16", "f32")
+    >>> str(p)
+    'p=f32,c=bf16,o=f32'
+    >>> get_policy(str(p)) == p
+    True
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+
+  def __post_init__(self):
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      object.__setattr__(self, field, parse_dtype(getattr(self, field)))
+
+  def cast_to_param(self, tree: T) -> T:
+    return cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: T) -> T:
+    return cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: T) -> T:
+    return cast_floating(tree, self.output_dtype)
+
+  def with_param_dtype(self, dtype: Any) -> Policy:
+    return dataclasses.replace(self, param_dtype=parse_dtype(dtype))
+
+  def with_compute_dtype(self, dtype: Any) -> Policy:
+    return dataclasses.replace(self, compute_dtype=parse_dtype(dtype))
+
+  def with_output_dtype(self, dtype: Any) -> Policy:
+    return dataclasses.replace(self, output_dtype=parse_dtype(dtype))
+
+  @property
+  def is_full_precision(self) -> bool:
+    f32 = np.dtype(jnp.float32)
+    return self.param_dtype == self.compute_dtype == self.output_dtype == f32
+
+  def __str__(self) -> str:
+    return (f"p={dtype_name(self.param_dtype)},c={dtype_name(self.compute_dtype)},"
+            f"o={dtype_name(self.output_dtype)}")
+
+
+def get_policy(policy: str | Policy) -> Policy:
+  """Parses a policy string in jmp's grammar (plus fp8 dtype names); a Policy passes through.
+
+  Raises:
+    ValueError: naming the bad token and listing what is accepted, for an empty string,
+      an unknown key or dtype, a duplicated key or a non-float dtype.
+  """
+  if isinstance(policy, Policy):
+    return policy
+  if not isinstance(policy, str):
+    raise ValueError(f"A policy is a string or a Policy, got {policy!r}")
+  text = policy.strip()
+  if not text:
+    raise ValueError(
+        "Empty policy string; expected e.g. 'p=f32,c=bf16,o=f32' or a bare dtype "
+        f"({_accepted_dtypes()})")
+  if "=" not in text:
+    dt = parse_dtype(text)
+    return Policy(dt, dt, dt)
+  found: dict[str, np.dtype] = {}
+  for part in text.split(","):
+    if part.count("=") != 1:
+      raise ValueError(
+          f"Bad policy part {part!r} in {policy!r}; expected KEY=DTYPE with KEY one of "
+          f"{', '.join(_KEYS)}")
+    key, value = (s.strip() for s in part.split("="))
+    if key not in _KEYS:
+      raise ValueError(
+          f"Unknown key {key!r} in {policy!r}; accepted keys: {', '.join(_KEYS)}")
+    field = _KEYS[key]
+    if field in found:
+      raise ValueError(f"Duplicated key {key!r} ({field}) in {policy!r}")
+    found[field] = parse_dtype(value)
+  param = found.get("param", np.dtype(jnp.float32))
+  compute = found.get("compute", param)
+  output = found.get("output", compute)
+  return Policy(param, compute, output)

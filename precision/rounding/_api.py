@@ -1,0 +1,37 @@
+"""`stochastic_round`: picks the implementation for the backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from precision.rounding._reference import stochastic_round_reference
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def stochastic_round(x: jax.Array, dtype: Any, key, step=0, *, impl: str = "auto") -> jax.Array:
+  """Rounds f32 `x` (or bf16 `x` for fp8 targets) to `dtype` (bf16, f16, e4m3, e5m2),
+  up or down with probability proportional to the distance, unbiased in expectation.
+
+  Args:
+    x: float32 array (bfloat16 allowed when `dtype` is an fp8 format).
+    dtype: target dtype or name.
+    key: an int seed, a uint32 scalar, or a `jax.random` key.
+    step: uint32 step counter; (key, step, flat index) determine every random bit.
+    impl: "xla" (plain jnp reference), "pallas" (kernel; interpret mode off GPU) or
+      "auto" (Pallas on GPU, XLA elsewhere). All give bit-identical results.
+
+  Examples:
+    >>> y = stochastic_round(jnp.full((4,), 1.001, jnp.float32), jnp.bfloat16, key=0)
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r}; accepted: {', '.join(IMPLS)}")
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+  if impl == "pallas":
+    from precision.rounding import _pallas  # pylint: disable=g-import-not-at-top
+
+    return _pallas.stochastic_round_pallas(x, dtype, key, step)
+  return stochastic_round_reference(x, dtype, key, step)

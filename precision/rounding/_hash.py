@@ -1,0 +1,69 @@
+"""Counter-based random bits: a hash of (seed, step, flat element index).
+
+No random array is ever materialised: each element's 32 random bits are a pure function of
+three uint32 counters, so a kernel can compute them where it reads the element, and any
+rounding can be replayed for a bit-exact resume (llm.c's design; its hash is
+SquirrelNoise5, ours is Wellons' "lowbias32", a bijection on uint32 with very low bias).
+
+Only uint32 multiply, xor, add and shift are used, so the same function runs in plain jnp
+and inside a Pallas kernel and gives the same bits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_U32 = jnp.uint32
+
+
+def mix32(h: jax.Array) -> jax.Array:
+  """lowbias32 (Chris Wellons, 2018): a well-mixed bijection uint32 -> uint32."""
+  h = h ^ (h >> _U32(16))
+  h = h * _U32(0x21F0AAAD)
+  h = h ^ (h >> _U32(15))
+  h = h * _U32(0xD35A2D97)
+  h = h ^ (h >> _U32(15))
+  return h
+
+
+def stream_keys(seed: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two uint32 keys for one (seed, step) stream. Computed once per call, outside kernels."""
+  seed = jnp.asarray(seed).astype(_U32)
+  step = jnp.asarray(step).astype(_U32)
+  k1 = mix32(seed ^ _U32(0x6A09E667))
+  k2 = mix32(step ^ k1 ^ _U32(0xBB67AE85))
+  return k1, k2
+
+
+def bits_at(index: jax.Array, k1: jax.Array, k2: jax.Array) -> jax.Array:
+  """32 random bits for each flat element index (uint32) of the stream (k1, k2)."""
+  return mix32(mix32(index ^ k2) + k1)
+
+
+def random_bits(seed, step, shape) -> jax.Array:
+  """uint32 random bits of `shape` for (seed, step): element i gets ``bits_at(i, ...)``.
+
+  The flat index is row-major over `shape`; arrays over 2**32 elements wrap the index.
+  """
+  k1, k2 = stream_keys(seed, step)
+  n = int(np.prod(shape)) if len(shape) else 1
+  index = jax.lax.iota(_U32, n).reshape(shape)
+  return bits_at(index, k1, k2)
+
+
+def seed_from(key) -> jax.Array:
+  """A uint32 seed from an int, a uint32 array, or a `jax.random` key (typed or raw)."""
+  if isinstance(key, (int, np.integer)):
+    return jnp.asarray(np.uint32(int(key) & 0xFFFFFFFF))
+  key = jnp.asarray(key)
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.bits(key, (), jnp.uint32)
+  if key.shape == (2,) and key.dtype == jnp.uint32:  # raw PRNGKey
+    return jax.random.bits(key, (), jnp.uint32)
+  if key.shape != () or not jnp.issubdtype(key.dtype, jnp.integer):
+    raise ValueError(
+        f"A stochastic-rounding key must be an int, a uint32 scalar or a jax.random key; "
+        f"got dtype {key.dtype} shape {key.shape}")
+  return key.astype(_U32)
