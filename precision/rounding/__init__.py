@@ -1,5 +1,6 @@
 """Stochastic rounding: counter-based randomness, an XLA reference and Pallas kernels."""
 
+from precision.rounding._hash import leaf_seed
 from precision.rounding._hash import mix32
 from precision.rounding._hash import random_bits
 from precision.rounding._hash import seed_from
@@ -10,6 +11,7 @@ from precision.rounding._api import stochastic_round
 
 __all__ = [
     "SUPPORTED",
+    "leaf_seed",
     "mix32",
     "random_bits",
     "round_bits",

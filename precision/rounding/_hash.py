@@ -67,3 +67,9 @@ def seed_from(key) -> jax.Array:
         f"A stochastic-rounding key must be an int, a uint32 scalar or a jax.random key; "
         f"got dtype {key.dtype} shape {key.shape}")
   return key.astype(_U32)
+
+
+def leaf_seed(seed, leaf_index: int) -> jax.Array:
+  """The uint32 seed of leaf `leaf_index` (jax.tree.leaves order) of a pytree rounded with
+  `seed`: every leaf gets its own stream, so equal-shaped leaves do not share bits."""
+  return mix32(seed_from(seed) ^ mix32(jnp.asarray(np.uint32(leaf_index))))
