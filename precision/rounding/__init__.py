@@ -1,4 +1,5 @@
-"""Stochastic rounding: counter-based randomness, an XLA reference and Pallas kernels."""
+"""Stochastic rounding: counter-based randomness, an XLA reference and Pallas kernels,
+and a fused AdamW + stochastic-rounding update."""
 
 from precision.rounding._hash import leaf_seed
 from precision.rounding._hash import mix32
@@ -7,15 +8,23 @@ from precision.rounding._hash import seed_from
 from precision.rounding._reference import SUPPORTED
 from precision.rounding._reference import round_bits
 from precision.rounding._reference import stochastic_round_reference
+from precision.rounding._pallas import stochastic_round_pallas
 from precision.rounding._api import stochastic_round
+from precision.rounding._fused_adamw import FusedAdamW
+from precision.rounding._fused_adamw import FusedAdamWState
+from precision.rounding._fused_adamw import llmc_decay_mask
 
 __all__ = [
+    "FusedAdamW",
+    "FusedAdamWState",
     "SUPPORTED",
     "leaf_seed",
+    "llmc_decay_mask",
     "mix32",
     "random_bits",
     "round_bits",
     "seed_from",
     "stochastic_round",
+    "stochastic_round_pallas",
     "stochastic_round_reference",
 ]

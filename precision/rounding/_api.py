@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 
+from precision.rounding._pallas import stochastic_round_pallas
 from precision.rounding._reference import stochastic_round_reference
 
 IMPLS = ("auto", "xla", "pallas")
@@ -16,12 +17,17 @@ def stochastic_round(x: jax.Array, dtype: Any, key, step=0, *, impl: str = "auto
   up or down with probability proportional to the distance, unbiased in expectation.
 
   Args:
-    x: float32 array (bfloat16 allowed when `dtype` is an fp8 format).
-    dtype: target dtype or name.
+    x: float32 array (bfloat16 allowed when `dtype` is an fp8 format), any shape.
+    dtype: target dtype or name: bf16, f16, e4m3 (float8_e4m3fn) or e5m2.
     key: an int seed, a uint32 scalar, or a `jax.random` key.
     step: uint32 step counter; (key, step, flat index) determine every random bit.
     impl: "xla" (plain jnp reference), "pallas" (kernel; interpret mode off GPU) or
       "auto" (Pallas on GPU, XLA elsewhere). All give bit-identical results.
+
+  Returns:
+    An array of `dtype` and `x`'s shape. Semantics (exact probabilities on the target
+    grid, 24-bit resolution below its smallest subnormal, NaN/inf/overflow as the target's
+    own cast, float8_e4m3fn overflow -> NaN) are in `precision.rounding._reference`.
 
   Examples:
     >>> y = stochastic_round(jnp.full((4,), 1.001, jnp.float32), jnp.bfloat16, key=0)
@@ -31,7 +37,5 @@ def stochastic_round(x: jax.Array, dtype: Any, key, step=0, *, impl: str = "auto
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
   if impl == "pallas":
-    from precision.rounding import _pallas  # pylint: disable=g-import-not-at-top
-
-    return _pallas.stochastic_round_pallas(x, dtype, key, step)
+    return stochastic_round_pallas(x, dtype, key, step)
   return stochastic_round_reference(x, dtype, key, step)

@@ -1,0 +1,113 @@
+"""Stochastic rounding as a Pallas kernel (GPU: Triton lowering; elsewhere: interpret mode).
+
+The array is flattened (row-major over its logical shape, so transposed or sliced inputs
+get the same flat indices as in the reference) and cut into 1-D blocks of `block_size`
+elements. Program i handles flat indices [i * block_size, (i + 1) * block_size): it
+derives them from its program id, computes each element's random bits there with
+`_hash.bits_at` (no random array in memory) and rounds with `_reference.encode`, the same
+function the XLA reference uses. The last block is partial when the size is not a
+multiple of `block_size`: its loads and stores are masked. Each element is read once
+(f32 or bf16) and written once (its 8- or 16-bit pattern).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from precision.rounding import _hash
+from precision.rounding import _reference
+
+_U32 = jnp.uint32
+# 1024 elements per program, 4 warps: the shape of Triton's memory-bound vector kernels.
+BLOCK_SIZE = 1024
+NUM_WARPS = 4
+
+
+def default_interpret() -> bool:
+  """Compiled (Triton) on GPU, interpret mode on every other backend."""
+  return jax.default_backend() != "gpu"
+
+
+def block_indices(block_size: int, n: int) -> tuple[jax.Array, jax.Array]:
+  """Inside a kernel: the uint32 global flat indices of this program's block and the
+  in-bounds mask (False past the end of an array of `n` elements)."""
+  pid = pl.program_id(0).astype(_U32)
+  local = jax.lax.broadcasted_iota(jnp.int32, (block_size,), 0).astype(_U32)
+  index = pid * _U32(block_size) + local
+  return index, index < _U32(n)
+
+
+def check_size(n: int) -> None:
+  # Flat indices are uint32 (as in the reference); bigger arrays would wrap them.
+  if n >= 2 ** 32:
+    raise ValueError(f"Pallas stochastic rounding handles arrays below 2**32 elements; got {n}")
+
+
+def compiler_params(interpret: bool):
+  return None if interpret else plgpu.CompilerParams(num_warps=NUM_WARPS)
+
+
+def _round_kernel(keys_ref, x_ref, o_ref, *, n, block_size, fi):
+  index, in_bounds = block_indices(block_size, n)
+  x = plgpu.load(x_ref, mask=in_bounds, other=0)
+  rbits = _hash.bits_at(index, keys_ref[0], keys_ref[1])
+  plgpu.store(o_ref, _reference.encode(x, rbits, fi), mask=in_bounds)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block_size", "interpret"))
+def _round(x, keys, *, dtype, block_size, interpret):
+  fi = _reference.target_info(dtype)
+  n = x.size
+  flat = x.reshape(-1)
+  kernel = functools.partial(_round_kernel, n=n, block_size=block_size, fi=fi)
+  bits = pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(n, block_size),),
+      in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
+                pl.BlockSpec((block_size,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((block_size,), lambda i: (i,)),
+      out_shape=jax.ShapeDtypeStruct((n,), _reference.bits_dtype(fi)),
+      interpret=interpret,
+      compiler_params=compiler_params(interpret),
+      name=f"stochastic_round_{fi.name}",
+  )(keys, flat)
+  return _reference.decode(bits, fi).reshape(x.shape)
+
+
+def stochastic_round_pallas(x: jax.Array, dtype: Any, key, step=0, *,
+                            block_size: int = BLOCK_SIZE,
+                            interpret: bool | None = None) -> jax.Array:
+  """Pallas kernel for `stochastic_round`: bit-identical to `stochastic_round_reference`.
+
+  Args:
+    x: float32 array (bfloat16 allowed for fp8 targets), any shape.
+    dtype: bf16, f16, e4m3 or e5m2 (dtype or name).
+    key: int, uint32 scalar or jax.random key.
+    step: step counter (uint32-convertible, may be traced).
+    block_size: elements per program (a power of two for the Triton lowering).
+    interpret: None picks compiled on GPU and interpret mode elsewhere.
+
+  Returns:
+    An array of `dtype` with `x`'s shape.
+  """
+  fi = _reference.target_info(dtype)
+  x = jnp.asarray(x)
+  _reference.check_input(x, fi)
+  check_size(x.size)
+  if block_size < 1 or block_size & (block_size - 1):
+    raise ValueError(f"block_size={block_size}; accepted: a power of two")
+  if x.size == 0:
+    return jnp.zeros(x.shape, fi.dtype)
+  k1, k2 = _hash.stream_keys(_hash.seed_from(key), step)
+  keys = jnp.stack([k1, k2])
+  if interpret is None:
+    interpret = default_interpret()
+  return _round(x, keys, dtype=np.dtype(fi.dtype), block_size=block_size,
+                interpret=interpret)
