@@ -6,6 +6,7 @@ stochastic rounding, and the subpackages flax, audit, optim, fp8, parallel, chec
 """
 
 from precision import formats
+from precision import optim
 from precision import ops
 from precision import rounding
 from precision._numerics import enable_faithful_rounding
@@ -22,10 +23,17 @@ from precision._recipe import PRESETS
 from precision._recipe import Recipe
 from precision._recipe import get_recipe
 from precision.rounding import stochastic_round
+from precision.optim import DynamicLossScale
+from precision.optim import NoOpLossScale
+from precision.optim import StaticLossScale
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "optim",
     "DEFAULT_FP32_OPS",
     "Fp8Config",
     "LossScaleConfig",

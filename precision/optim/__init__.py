@@ -1,0 +1,80 @@
+"""Optax transformations for mixed-precision training.
+
+Master weights (`master_weights`, `remainder_master_weights`), loss scaling
+(`loss_scaling` with NoOp/Static/DynamicLossScale), non-finite skipping (`skip_nonfinite`),
+updates straight into 16-bit params (`stochastic_updates`, `kahan_updates`, `f32_update`),
+moment dtypes (`moment_dtypes`), f32 global norm and clipping, and `build_optimizer`, which
+assembles all of it from a Recipe. Apply updates with `apply_updates` (exact rounding under
+strict promotion).
+
+The train-step protocol:
+  >>> scale = loss_scale_of(opt_state)
+  >>> loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch) * scale)(params)
+  >>> updates, opt_state = tx.update(grads, opt_state, params)
+  >>> params = apply_updates(params, updates)
+  >>> metrics = optimizer_metrics(opt_state)
+"""
+
+from precision.optim._apply import apply_updates
+from precision.optim._build import build_optimizer
+from precision.optim._build import scaled_value_and_grad
+from precision.optim._clip import clip_by_global_norm
+from precision.optim._clip import global_norm
+from precision.optim._direct import StochasticState
+from precision.optim._direct import f32_update
+from precision.optim._direct import stochastic_updates
+from precision.optim._guard import GuardState
+from precision.optim._guard import NonFiniteStreakError
+from precision.optim._guard import check_nonfinite_streak
+from precision.optim._guard import loss_scaling
+from precision.optim._guard import skip_nonfinite
+from precision.optim._kahan import KahanState
+from precision.optim._kahan import kahan_updates
+from precision.optim._ledger import bytes_per_param
+from precision.optim._ledger import memory_ledger
+from precision.optim._loss_scale import DynamicLossScale
+from precision.optim._loss_scale import NoOpLossScale
+from precision.optim._loss_scale import StaticLossScale
+from precision.optim._master import MasterState
+from precision.optim._master import master_weights
+from precision.optim._moments import moment_dtypes
+from precision.optim._query import loss_scale_of
+from precision.optim._query import master_params
+from precision.optim._query import optimizer_metrics
+from precision.optim._remainder import RemainderState
+from precision.optim._remainder import merge_master
+from precision.optim._remainder import remainder_master_weights
+from precision.optim._remainder import split_master
+
+__all__ = [
+    "DynamicLossScale",
+    "GuardState",
+    "KahanState",
+    "MasterState",
+    "NoOpLossScale",
+    "NonFiniteStreakError",
+    "RemainderState",
+    "StaticLossScale",
+    "StochasticState",
+    "apply_updates",
+    "build_optimizer",
+    "bytes_per_param",
+    "check_nonfinite_streak",
+    "clip_by_global_norm",
+    "f32_update",
+    "global_norm",
+    "kahan_updates",
+    "loss_scale_of",
+    "loss_scaling",
+    "master_params",
+    "master_weights",
+    "memory_ledger",
+    "merge_master",
+    "moment_dtypes",
+    "optimizer_metrics",
+    "remainder_master_weights",
+    "scaled_value_and_grad",
+    "skip_nonfinite",
+    "split_master",
+    "stochastic_updates",
+]

@@ -1,0 +1,100 @@
+"""`build_optimizer`: the whole optimizer a Recipe describes, around any optax optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from precision._recipe import Recipe
+from precision._recipe import get_recipe
+from precision.optim import _direct
+from precision.optim import _guard
+from precision.optim import _kahan
+from precision.optim import _loss_scale
+from precision.optim import _master
+from precision.optim import _moments
+from precision.optim import _query
+
+_F32 = np.dtype(np.float32)
+
+
+def build_optimizer(recipe: Recipe | str, inner: optax.GradientTransformation, *,
+                    seed: int = 0, axis_name: str | None = None
+                    ) -> optax.GradientTransformation:
+  """The optimizer of `recipe` wrapped around `inner` (any optax optimizer).
+
+  From the inside out:
+    1. moments stored in ``recipe.mu_dtype`` / ``recipe.nu_dtype`` (`moment_dtypes`; only
+       when one is not f32), the update computed in f32;
+    2. how updates reach the params: a master copy (`master_weights`, nearest or
+       stochastic rounding) when ``recipe.master_dtype`` is set; else for 16-bit params
+       `stochastic_updates`, `kahan_updates`, or f32 updates rounded to nearest
+       (`f32_update`); f32 params take `inner`'s updates as they are;
+    3. the guard: `loss_scaling` with the recipe's loss scale, or `skip_nonfinite` for
+       unscaled recipes; it keeps the counters and the f32 grad norm.
+  On the fp32 recipe the result is bit-identical to `inner` on finite grads.
+
+  Args:
+    recipe: a Recipe or preset name.
+    inner: e.g. ``optax.adamw(3e-4)``.
+    seed: seed of stochastic rounding.
+    axis_name: set when `update` runs inside shard_map/pmap on shards of the grads
+      (ZeRO): the all-finite check and grad norm are reduced over this axis.
+
+  Returns:
+    An optax.GradientTransformation; apply its updates with
+    `precision.optim.apply_updates` (exact rounding into 16-bit params).
+
+  Examples:
+    >>> tx = build_optimizer("bf16_master", optax.adamw(3e-4))
+    >>> opt_state = tx.init(params)
+  """
+  recipe = get_recipe(recipe)
+  tx = inner
+  if recipe.mu_dtype != _F32 or recipe.nu_dtype != _F32:
+    tx = _moments.moment_dtypes(tx, recipe.mu_dtype, recipe.nu_dtype)
+  param_dtype = recipe.policy.param_dtype
+  if recipe.master_dtype is not None:
+    tx = _master.master_weights(tx, recipe.master_dtype, recipe.rounding, seed)
+  elif recipe.rounding == "stochastic":
+    tx = _direct.stochastic_updates(tx, seed)
+  elif recipe.rounding == "kahan":
+    tx = _kahan.kahan_updates(tx)
+  elif param_dtype != _F32:
+    tx = _direct.f32_update(tx)
+  if recipe.loss_scale.kind == "none":
+    return _guard.skip_nonfinite(tx, axis_name)
+  return _guard.loss_scaling(tx, _loss_scale.from_config(recipe.loss_scale), axis_name)
+
+
+def scaled_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False
+                          ) -> Callable[..., Any]:
+  """``jax.value_and_grad`` of ``loss_fn(params, *args) * loss_scale_of(opt_state)``.
+
+  Returns ``fn(opt_state, params, *args, **kwargs) -> (loss, grads)`` (``((loss, aux),
+  grads)`` with `has_aux`): `loss` is `loss_fn`'s own unscaled value, `grads` are the
+  SCALED grads that the optimizer's guard unscales and checks. The loss is multiplied by
+  the scale in f32.
+
+  Examples:
+    >>> grad_fn = scaled_value_and_grad(loss_fn)
+    >>> loss, grads = grad_fn(opt_state, params, batch)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+  """
+
+  def fn(opt_state, params, *args, **kwargs):
+    scale = _query.loss_scale_of(opt_state)
+
+    def scaled(p):
+      out = loss_fn(p, *args, **kwargs)
+      loss, aux = out if has_aux else (out, None)
+      return loss.astype(jnp.float32) * scale, (loss, aux)
+
+    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return fn

@@ -1,0 +1,151 @@
+"""The step guard: unscale, all-finite check, skip by select, loss-scale adjustment, counters.
+
+`loss_scaling(inner, loss_scale)` and `skip_nonfinite(inner)` share one implementation.
+A skipped step returns updates of -0.0 (``x + -0.0 == x`` bit for bit for every x, +0.0 and
+-0.0 included, where ``-0.0 + +0.0`` would flip a sign bit) and selects the previous inner
+state leaf by leaf with `jnp.where`, never `lax.cond` (optax issue 377: cond breaks on
+bf16 trees), so params and inner state stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from precision.optim import _clip
+from precision.optim import _loss_scale
+from precision.optim import _compat
+from precision.optim import _tree
+
+
+class GuardState(NamedTuple):
+  """State of `loss_scaling` / `skip_nonfinite`; every counter is a device scalar.
+
+  inner_state: the wrapped transformation's state.
+  loss_scale: a NoOp/Static/DynamicLossScale (the scale to multiply the loss by).
+  skipped_steps: int32, steps whose update was skipped.
+  nonfinite_steps: int32, steps whose (unscaled) grads held an inf or NaN.
+  consecutive_finite: int32, finite steps since the last non-finite one.
+  consecutive_nonfinite: int32, non-finite steps since the last finite one.
+  grad_norm: f32, global norm of the last step's unscaled grads (inf/NaN when non-finite).
+  """
+
+  inner_state: Any
+  loss_scale: Any
+  skipped_steps: jax.Array
+  nonfinite_steps: jax.Array
+  consecutive_finite: jax.Array
+  consecutive_nonfinite: jax.Array
+  grad_norm: jax.Array
+
+
+def _neg_zero_like(u):
+  return jnp.full(u.shape, -0.0, u.dtype) if _tree.is_float(u) else u
+
+
+def _guard(inner, loss_scale, axis_name, skip):
+  inner = _compat.compat(inner)
+
+  def init_fn(params):
+    z = jnp.zeros((), jnp.int32)
+    return GuardState(inner.init(params), loss_scale, z, z, z, z, jnp.zeros((), jnp.float32))
+
+  def update_fn(grads, state, params=None):
+    grads = state.loss_scale.unscale(grads)
+    finite = _tree.all_finite(grads)
+    if axis_name is not None:
+      # Shards of the grads live on different ranks: every rank must skip alike.
+      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    norm = _clip.global_norm(grads, axis_name)
+    updates, inner_state = inner.update(grads, state.inner_state, params)
+    if skip:
+      updates = jax.tree.map(lambda u: jnp.where(finite, u, _neg_zero_like(u))
+                             if _tree.is_float(u) else u, updates)
+      inner_state = _tree.select(finite, inner_state, state.inner_state)
+    one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
+    bad = jnp.where(finite, zero, one)
+    new = GuardState(
+        inner_state=inner_state,
+        loss_scale=state.loss_scale.adjust(finite),
+        skipped_steps=state.skipped_steps + (bad if skip else zero),
+        nonfinite_steps=state.nonfinite_steps + bad,
+        consecutive_finite=jnp.where(finite, state.consecutive_finite + 1, zero),
+        consecutive_nonfinite=jnp.where(finite, zero, state.consecutive_nonfinite + 1),
+        grad_norm=norm)
+    return updates, new
+
+  return _compat.own(optax.GradientTransformation(init_fn, update_fn))
+
+
+def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any,
+                 axis_name: str | None = None) -> optax.GradientTransformation:
+  """Unscales grads in f32, checks they are all finite, skips the step if not, adjusts the
+  loss scale and keeps counters (see `GuardState`).
+
+  Args:
+    inner: the optimizer run on the unscaled f32 grads (e.g. `master_weights(adamw)`).
+    loss_scale: NoOpLossScale(), StaticLossScale(s) or DynamicLossScale(...).
+    axis_name: when `update` runs inside shard_map/pmap on shards of the grads, the
+      all-finite check and grad norm are reduced (pmin / psum) over this axis.
+
+  Multiply the loss by `precision.optim.loss_scale_of(opt_state)` before differentiating.
+
+  Examples:
+    >>> tx = loss_scaling(master_weights(optax.adamw(1e-3)), DynamicLossScale(2.0 ** 15))
+  """
+  valid = (_loss_scale.NoOpLossScale, _loss_scale.StaticLossScale, _loss_scale.DynamicLossScale)
+  if not isinstance(loss_scale, valid):
+    raise ValueError(f"loss_scale={loss_scale!r}; accepted: NoOpLossScale(), "
+                     "StaticLossScale(s), DynamicLossScale(...)")
+  return _guard(inner, loss_scale, axis_name, skip=True)
+
+
+def skip_nonfinite(inner: optax.GradientTransformation, axis_name: str | None = None,
+                   skip: bool = True) -> optax.GradientTransformation:
+  """Non-finite guard for unscaled recipes: counts steps whose grads hold inf/NaN and (when
+  `skip`) skips them, params and inner state bit-identical. Grads pass through unchanged
+  (no cast), so on finite grads this is bit-identical to `inner`.
+
+  To stop a run after N non-finite steps in a row, call `check_nonfinite_streak(opt_state,
+  N)` from the host (one device->host read of an int32) every few steps.
+  """
+  return _guard(inner, _loss_scale.NoOpLossScale(), axis_name, skip=skip)
+
+
+class NonFiniteStreakError(FloatingPointError):
+  """Raised by `check_nonfinite_streak` when too many steps in a row were non-finite."""
+
+
+def check_nonfinite_streak(opt_state: Any, max_consecutive: int) -> int:
+  """Host-side check: raises NonFiniteStreakError when the last `max_consecutive` (or more)
+  steps all had non-finite grads; returns the current streak otherwise.
+
+  This reads one int32 from the device, a host sync: call it outside the jitted step, e.g.
+  every 10 steps (it sees the streak as of the state it is given). Doing it inside the
+  step would need a host callback whose exception surfaces asynchronously, wrapped in a
+  runtime error, at some later sync point; this explicit call fails where the user looks.
+
+  Examples:
+    >>> for step in range(n):
+    ...   params, opt_state = train_step(params, opt_state, batch)
+    ...   if step % 10 == 0:
+    ...     precision.optim.check_nonfinite_streak(opt_state, max_consecutive=10)
+  """
+  if int(max_consecutive) < 1:
+    raise ValueError(f"max_consecutive={max_consecutive!r}; must be >= 1")
+  from precision.optim import _query  # pylint: disable=g-import-not-at-top
+
+  guard = _query.find_state(opt_state, GuardState)
+  if guard is None:
+    raise ValueError("opt_state holds no GuardState; build the optimizer with "
+                     "build_optimizer, loss_scaling or skip_nonfinite")
+  streak = int(np.asarray(guard.consecutive_nonfinite))
+  if streak >= max_consecutive:
+    raise NonFiniteStreakError(
+        f"{streak} consecutive optimizer steps had non-finite gradients "
+        f"(limit {max_consecutive}); {int(np.asarray(guard.nonfinite_steps))} in total")
+  return streak

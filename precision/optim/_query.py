@@ -1,0 +1,65 @@
+"""Reading an optimizer state: loss scale, metrics, master params (no host sync)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from precision.optim import _guard
+from precision.optim import _master
+from precision.optim import _remainder
+from precision.optim import _tree
+
+
+def find_state(opt_state: Any, kind: type) -> Any:
+  """The first node of type `kind` in `opt_state` (depth first, leftmost), or None.
+
+  The search stops at a match, so of nested matches the outermost is returned.
+  """
+  nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind))
+  return next((n for n in nodes if isinstance(n, kind)), None)
+
+
+def loss_scale_of(opt_state: Any) -> jax.Array:
+  """f32 scalar to multiply the loss by: the current loss scale, 1.0 when there is none.
+
+  Examples:
+    >>> scale = loss_scale_of(opt_state)
+    >>> loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch) * scale)(params)
+  """
+  guard = find_state(opt_state, _guard.GuardState)
+  if guard is None:
+    return jnp.ones((), jnp.float32)
+  return jnp.asarray(guard.loss_scale.loss_scale, jnp.float32)
+
+
+def optimizer_metrics(opt_state: Any) -> dict[str, jax.Array]:
+  """Device scalars: loss_scale (f32), skipped_steps, nonfinite_steps, consecutive_finite,
+  consecutive_nonfinite (int32), grad_norm (f32, of the last step's unscaled grads).
+
+  Without a guard in the state the counters read 0 and grad_norm NaN (not measured).
+  """
+  guard = find_state(opt_state, _guard.GuardState)
+  if guard is None:
+    z = jnp.zeros((), jnp.int32)
+    return {"loss_scale": jnp.ones((), jnp.float32), "skipped_steps": z, "nonfinite_steps": z,
+            "consecutive_finite": z, "consecutive_nonfinite": z,
+            "grad_norm": jnp.full((), jnp.nan, jnp.float32)}
+  return {"loss_scale": jnp.asarray(guard.loss_scale.loss_scale, jnp.float32),
+          "skipped_steps": guard.skipped_steps, "nonfinite_steps": guard.nonfinite_steps,
+          "consecutive_finite": guard.consecutive_finite,
+          "consecutive_nonfinite": guard.consecutive_nonfinite, "grad_norm": guard.grad_norm}
+
+
+def master_params(opt_state: Any, params: Any) -> Any:
+  """The f32 (master dtype) params: the master copy where the state keeps one (exactly
+  rebuilt from remainders for `remainder_master_weights`), else `params` upcast to f32."""
+  master = find_state(opt_state, _master.MasterState)
+  if master is not None:
+    return master.master
+  rem = find_state(opt_state, _remainder.RemainderState)
+  if rem is not None:
+    return jax.tree.map(_remainder.merge_master, params, rem.remainder)
+  return _tree.cast(params, jnp.float32)

@@ -1,0 +1,208 @@
+"""precision.optim: master weights, apply_updates, remainders, swamping, build_optimizer."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import precision
+from precision import optim as po
+from precision.rounding import leaf_seed
+from precision.rounding import stochastic_round
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def assert_tree_bitwise(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def _params(dtype=jnp.bfloat16, seed=0):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {"w": jax.random.normal(k1, (16, 8), jnp.float32).astype(dtype),
+          "b": (0.1 * jax.random.normal(k2, (8,), jnp.float32)).astype(dtype)}
+
+
+def _grads(step, like):
+  # Drawn with numpy, outside any jit: jax.random.normal's erf_inv polynomial may be
+  # fused differently in two programs, which would make the grads, not the optimizers,
+  # differ in the last bit.
+  rng = np.random.default_rng(1000 + step)
+  return {k: jnp.asarray(rng.standard_normal(like[k].shape), jnp.float32) for k in sorted(like)}
+
+
+def _grad_seq(steps, like):
+  seq = [_grads(t, like) for t in range(steps)]
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *seq)
+
+
+def _run(tx, params, steps):
+  """`steps` jitted updates with f32 grads; returns (params, state)."""
+
+  def body(carry, g):
+    p, s = carry
+    u, s = tx.update(g, s, p)
+    return (po.apply_updates(p, u), s), None
+
+  @jax.jit
+  def run(p, gs):
+    (p, s), _ = jax.lax.scan(body, (p, tx.init(p)), gs)
+    return p, s
+
+  return run(params, _grad_seq(steps, params))
+
+
+def _optax_reference(inner, params32, steps):
+  """Plain optax on f32 params (standard promotion, as optax users run it)."""
+
+  def body(carry, g):
+    p, s = carry
+    u, s = inner.update(g, s, p)
+    return (optax.apply_updates(p, u), s), None
+
+  @jax.jit
+  def run(p, gs):
+    with jax.numpy_dtype_promotion("standard"):
+      (p, s), _ = jax.lax.scan(body, (p, inner.init(p)), gs)
+    return p, s
+
+  return run(params32, _grad_seq(steps, params32))
+
+
+def test_master_50_adamw_steps_bit_identical_to_optax():
+  inner = optax.adamw(1e-2, weight_decay=0.1)
+  params = _params(jnp.bfloat16)
+  p, state = _run(po.master_weights(inner), params, 50)
+  ref, ref_state = _optax_reference(inner, precision.cast_floating(params, jnp.float32), 50)
+  assert_tree_bitwise(state.master, ref)
+  assert_tree_bitwise(state.inner_state, ref_state)
+  assert_tree_bitwise(p, precision.cast_floating(ref, jnp.bfloat16))
+  assert_tree_bitwise(po.master_params(state, p), ref)
+
+
+def _eager(tx, params, steps, apply):
+  state = tx.init(params)
+  for g in (_grads(t, params) for t in range(steps)):
+    u, state = tx.update(g, state, params)
+    params = apply(params, u)
+  return params, state
+
+
+@pytest.mark.parametrize("name", list(precision.PRESETS))
+def test_fp32_params_bit_identical_to_inner(name):
+  """f32-param recipes without loss scaling add no arithmetic to `inner`'s update.
+
+  Compared op by op (eager): inside one jit, XLA:CPU may evaluate adam's bias-correction
+  power in a vectorised or a scalar loop depending on how the surrounding program fuses,
+  which moves single elements by an ulp between ANY two different programs, so a jitted
+  comparison is made with SGD-momentum (no transcendental) below.
+  """
+  recipe = precision.PRESETS[name]
+  if recipe.policy.param_dtype != np.float32 or recipe.loss_scale.kind != "none":
+    pytest.skip("f32 params without loss scaling only")
+  inner = optax.adamw(1e-2, weight_decay=0.1)
+  params = _params(jnp.float32)
+  p, state = _eager(po.build_optimizer(recipe, inner), params, 20, po.apply_updates)
+  with jax.numpy_dtype_promotion("standard"):
+    ref, ref_state = _eager(inner, params, 20, optax.apply_updates)
+  assert_tree_bitwise(p, ref)
+  assert_tree_bitwise(state.inner_state, ref_state)
+  assert int(po.optimizer_metrics(state)["consecutive_finite"]) == 20
+
+
+def test_fp32_recipe_jitted_bit_identical_sgd_momentum():
+  inner = optax.sgd(1e-2, momentum=0.9, nesterov=True)
+  params = _params(jnp.float32)
+  p, state = _run(po.build_optimizer("fp32", inner), params, 30)
+  ref, ref_state = _optax_reference(inner, params, 30)
+  assert_tree_bitwise(p, ref)
+  assert_tree_bitwise(state.inner_state, ref_state)
+
+
+def test_stochastic_master_follows_rounding_convention():
+  seed = 7
+  tx = po.master_weights(optax.sgd(0.05), rounding="stochastic", seed=seed)
+  params = _params(jnp.bfloat16)
+  state = tx.init(params)
+  for t in range(3):
+    u, state = jax.jit(tx.update)(_grads(t, params), state, params)
+    params = po.apply_updates(params, u)
+    leaves = jax.tree.leaves(state.master)
+    want = [stochastic_round(m, jnp.bfloat16, key=leaf_seed(seed, i), step=t)
+            for i, m in enumerate(leaves)]
+    assert_tree_bitwise(jax.tree.leaves(params), want)
+  assert int(state.count) == 3
+
+
+def test_apply_updates_matches_optax():
+  p32, p16 = _params(jnp.float32), _params(jnp.bfloat16)
+  u = _grads(3, p32)
+  with jax.numpy_dtype_promotion("standard"):
+    ref32 = optax.apply_updates(p32, u)
+    ref16 = optax.apply_updates(p16, u)
+  assert_tree_bitwise(po.apply_updates(p32, u), ref32)
+  assert_tree_bitwise(po.apply_updates(p16, u), ref16)
+  assert po.apply_updates({"a": None}, {"a": None}) == {"a": None}
+
+
+@pytest.mark.parametrize("dtype,ratio_bits", [(jnp.bfloat16, 15), (jnp.float16, 12)])
+def test_deltas_round_trip_exactly(dtype, ratio_bits):
+  """apply_updates(old, deltas(new, old)) == new for |old| < 2**ratio_bits * |new|."""
+  rng = np.random.default_rng(0)
+  old = (rng.standard_normal(20000) * 2.0 ** rng.integers(-8, 8, 20000)).astype(np.float32)
+  shrink = 2.0 ** rng.uniform(-ratio_bits + 0.01, 6, 20000)
+  new = (old * shrink * rng.choice([-1, 1], 20000)).astype(np.float32)
+  old, new = jnp.asarray(old).astype(dtype), jnp.asarray(new).astype(dtype)
+  new = new.at[:10].set(0)
+  got = po.apply_updates(old, po._apply.deltas(new, old, new))
+  normal = (np.abs(np.asarray(new, np.float32)) >= float(jnp.finfo(dtype).tiny)) | (_bits(new) == 0)
+  assert normal.mean() > 0.85
+  np.testing.assert_array_equal(_bits(got)[normal], _bits(new)[normal])
+  # Past the bound (a weight shrinking 2**(ratio_bits + 2)-fold) exactness is not promised:
+  # the f32 delta cannot carry the few bits of `new` below old's f32 ulp.
+  far_old, far_new = jnp.asarray([2.0 ** 30], dtype), jnp.asarray([2.0 ** -10], dtype)
+  if dtype == jnp.bfloat16:
+    far = po.apply_updates(far_old, po._apply.deltas(far_new, far_old, far_new))
+    assert float(far[0]) != 2.0 ** -10
+
+
+def test_remainder_split_merge_bit_exact():
+  rng = np.random.default_rng(1)
+  bits = np.concatenate([rng.integers(0, 2 ** 32, 200000, dtype=np.uint64).astype(np.uint32),
+                         np.arange(2 ** 16, dtype=np.uint32) + np.uint32(0x3F800000),
+                         np.arange(2 ** 16, dtype=np.uint32) + np.uint32(0xBF800000)])
+  master = jnp.asarray(bits.view(np.float32))
+  param, rem = jax.jit(po.split_master)(master)
+  assert param.dtype == jnp.bfloat16 and rem.dtype == jnp.int16
+  np.testing.assert_array_equal(_bits(jax.jit(po.merge_master)(param, rem)), bits)
+  # The param is the master rounded to nearest; only exact ties differ from bf16's
+  # ties-to-even (they go away from zero), and only for finite values.
+  finite = np.isfinite(bits.view(np.float32))
+  ref = bits.view(np.float32).astype(ml_dtypes.bfloat16)
+  tie = (bits & 0xFFFF) == 0x8000
+  np.testing.assert_array_equal(_bits(param)[finite & ~tie], _bits(ref)[finite & ~tie])
+  np.testing.assert_array_equal(_bits(param)[finite & tie],
+                                ((bits[finite & tie] >> 16) + 1).astype(np.uint16))
+
+
+def test_remainder_master_matches_master_weights():
+  inner = optax.adamw(1e-2, weight_decay=0.1)
+  params = _params(jnp.bfloat16)
+  p_full, s_full = _run(po.master_weights(inner), params, 20)
+  p_lean, s_lean = _run(po.remainder_master_weights(inner), params, 20)
+  master = po.master_params(s_lean, p_lean)
+  assert_tree_bitwise(master, s_full.master)
+  assert_tree_bitwise(s_lean.inner_state, s_full.inner_state)
+  tie = jax.tree.map(lambda m: (_bits(m) & 0xFFFF) == 0x8000, master)
+  for a, b, t in zip(jax.tree.leaves(p_lean), jax.tree.leaves(p_full), jax.tree.leaves(tie)):
+    np.testing.assert_array_equal(_bits(a)[~t], _bits(b)[~t])
+  assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(s_lean.remainder))
