@@ -106,7 +106,9 @@ def step_scalars(count: jax.Array, learning_rate, b1: float, b2: float,
     bc2 = (1 - b2 ** count_inc).astype(jnp.float32)
   if callable(learning_rate):
     # scale_by_schedule: ``jnp.array(-1 * lr(count), dtype=g.dtype)`` with count before +1.
-    step_size = jnp.array(-1 * learning_rate(count), dtype=jnp.float32)
+    # optax schedules mix Python floats with the int32 count: standard promotion, as optax.
+    with jax.numpy_dtype_promotion("standard"):
+      step_size = jnp.array(-1 * learning_rate(count), dtype=jnp.float32)
   else:
     step_size = jnp.asarray(np.float32(-1 * learning_rate))
   return jnp.stack([bc1, bc2, step_size, jnp.asarray(np.float32(weight_decay))])
