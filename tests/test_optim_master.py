@@ -206,3 +206,78 @@ def test_remainder_master_matches_master_weights():
   for a, b, t in zip(jax.tree.leaves(p_lean), jax.tree.leaves(p_full), jax.tree.leaves(tie)):
     np.testing.assert_array_equal(_bits(a)[~t], _bits(b)[~t])
   assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(s_lean.remainder))
+
+
+# Swamping (seed 004): weight 1.0, update +1e-5 per step, 100,000 steps.
+SWAMP_STEPS = 100_000
+SWAMP_LR = 1e-5
+
+
+def _swamp(tx, n):
+  """Runs `tx` for SWAMP_STEPS steps on n bf16 weights at 1.0 with grad -1 (update +1e-5)."""
+  params = jnp.ones((n,), jnp.bfloat16)
+  grads = jnp.full((n,), -1.0, jnp.float32)
+
+  @jax.jit
+  def run(p):
+    def body(_, carry):
+      p, s = carry
+      u, s = tx.update(grads, s, p)
+      return po.apply_updates(p, u), s
+
+    return jax.lax.fori_loop(0, SWAMP_STEPS, body, (p, tx.init(p)))
+
+  return run(params)
+
+
+@pytest.fixture(scope="module")
+def swamping():
+  sgd = optax.sgd(SWAMP_LR)
+  return {
+      "nearest": _swamp(po.f32_update(sgd), 4),
+      "master": _swamp(po.master_weights(sgd), 4),
+      "kahan": _swamp(po.kahan_updates(sgd), 4),
+      "stochastic": _swamp(po.stochastic_updates(sgd, seed=0), 1024),
+  }
+
+
+def test_swamping_pure_bf16_nearest_stays_at_one(swamping):
+  p, _ = swamping["nearest"]
+  np.testing.assert_array_equal(np.asarray(p, np.float32), 1.0)
+
+
+def test_swamping_master_reaches_two(swamping):
+  p, state = swamping["master"]
+  # The master is exactly the f32 running sum: f32(1e-5) is 83.89 ulps of f32 in [1, 2),
+  # so each add rounds to 84 ulps and 100k adds land at 2.001358, 1.36e-3 above 2.0. That
+  # is f32's own rounding, identical in plain f32 training; seed 004's "within 1e-3" is not
+  # reachable by any f32 accumulator of these increments. Bound: 100k * ulp(1)/2 = 6e-3.
+  ref = np.float32(1.0)
+  for _ in range(SWAMP_STEPS):
+    ref = np.float32(ref + np.float32(SWAMP_LR))
+  np.testing.assert_array_equal(np.asarray(state.master), ref)
+  assert abs(float(state.master[0]) - 2.0) < 1.5e-3
+  np.testing.assert_array_equal(np.asarray(p, np.float32),
+                                np.float32(ref.astype(ml_dtypes.bfloat16)))
+
+
+def test_swamping_kahan_reaches_two(swamping):
+  p, state = swamping["kahan"]
+  assert np.all(np.abs(np.asarray(p, np.float32) - 2.0) <= 1e-2)
+  assert state.compensation.dtype == jnp.bfloat16
+
+
+def test_swamping_stochastic_reaches_two_within_statistical_bound(swamping):
+  """Each weight makes ~Binomial jumps of one bf16 ulp (2**-7 in [1, 2)), unbiased: the
+  expected end is 1 + 100k * f32(1.0 + 1e-5 - 1) = 2.00136 (f32 rounding of the sum before
+  stochastic rounding, as for the master) and the standard deviation per weight is
+  sqrt(2**-7 * 1e-5 * 1e5) = 0.088. Over 1024 independent weights the mean's standard
+  deviation is 0.0028: we require the mean within 5 sigma (0.014) of 2.0014 and every weight
+  within 6 sigma (0.53)."""
+  p, _ = swamping["stochastic"]
+  x = np.asarray(p, np.float32)
+  expected = 1.0 + SWAMP_STEPS * float(np.float32(1.0) + np.float32(SWAMP_LR) - np.float32(1.0))
+  sigma = np.sqrt(2.0 ** -7 * SWAMP_LR * SWAMP_STEPS)
+  assert abs(x.mean() - expected) < 5 * sigma / np.sqrt(x.size)
+  assert np.all(np.abs(x - expected) < 6 * sigma)
+  assert 0.5 * sigma < x.std() < 1.5 * sigma

@@ -1,0 +1,242 @@
+"""precision.optim loss scales: pytree round trips, GradScaler/Megatron rules, skipping."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import precision
+from precision import optim as po
+
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def assert_tree_bitwise(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def _fields(ls):
+  return {f.name: np.asarray(getattr(ls, f.name)).tolist() for f in dataclasses.fields(ls)}
+
+
+CUSTOM = dict(growth_factor=3.0, backoff_factor=0.25, growth_interval=7, min_scale=0.5,
+              max_scale=2.0 ** 20, hysteresis=2)
+
+
+@pytest.fixture(scope="module")
+def custom_scale():
+  return po.DynamicLossScale(2.0 ** 10, **CUSTOM).adjust(jnp.asarray(False))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: po.NoOpLossScale(),
+    lambda: po.StaticLossScale(128.0),
+    lambda: po.DynamicLossScale(2.0 ** 10, **CUSTOM).adjust(jnp.asarray(False)),
+])
+def test_flatten_unflatten_tree_map_jit_keep_every_field(make):
+  ls = make()
+  leaves, treedef = jax.tree.flatten(ls)
+  assert _fields(jax.tree.unflatten(treedef, leaves)) == _fields(ls)
+  assert _fields(jax.tree.map(lambda x: x, ls)) == _fields(ls)
+  assert _fields(jax.jit(lambda s: s)(ls)) == _fields(ls)
+  adjusted = jax.jit(lambda s: s.adjust(jnp.asarray(True)))(ls)
+  for f in dataclasses.fields(ls):
+    if f.name not in ("loss_scale", "growth_tracker", "hysteresis_tracker"):
+      assert getattr(adjusted, f.name) == getattr(ls, f.name), f.name
+
+
+def test_custom_settings_survive(custom_scale):
+  fields = _fields(custom_scale)
+  for k, v in CUSTOM.items():
+    assert fields[k] == v, k
+  assert fields["hysteresis_tracker"] == 1 and fields["loss_scale"] == 2.0 ** 10
+
+
+def test_orbax_save_restore_keeps_every_field(tmp_path, custom_scale):
+  state = po.build_optimizer(
+      precision.get_recipe("f16_mixed").replace(loss_scale=precision.LossScaleConfig(
+          kind="dynamic", initial_scale=2.0 ** 10, **CUSTOM)),
+      optax.adam(1e-3)).init({"w": jnp.ones((3,), jnp.float32)})
+  state = state._replace(loss_scale=custom_scale)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "s", state)
+  ckpt.wait_until_finished()
+  restored = ckpt.restore(tmp_path / "s", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+  assert _fields(restored.loss_scale) == _fields(custom_scale)
+  assert_tree_bitwise(restored, state)
+
+
+def test_invalid_settings_raise():
+  with pytest.raises(ValueError, match="backoff_factor"):
+    po.DynamicLossScale(1.0, backoff_factor=2.0)
+  with pytest.raises(ValueError, match="min_scale"):
+    po.DynamicLossScale(1.0, min_scale=0.0)
+  with pytest.raises(ValueError, match="must be finite"):
+    po.StaticLossScale(float("inf"))
+  with pytest.raises(ValueError, match="accepted"):
+    po.loss_scaling(optax.sgd(1.0), 2.0 ** 15)
+
+
+def gradscaler_reference(found_inf, scale, growth_factor, backoff_factor, growth_interval):
+  """PyTorch's GradScaler update rule (torch._amp_update_scale_), written out in f32."""
+  tracker, out = 0, []
+  scale = np.float32(scale)
+  for inf in found_inf:
+    if inf:
+      scale = np.float32(scale * np.float32(backoff_factor))
+      tracker = 0
+    else:
+      successful = tracker + 1
+      if successful == growth_interval:
+        with np.errstate(over="ignore"):
+          new_scale = np.float32(scale * np.float32(growth_factor))
+        if np.isfinite(new_scale):
+          scale = new_scale
+        tracker = 0
+      else:
+        tracker = successful
+    out.append((scale, tracker))
+  return out
+
+
+def megatron_reference(found_inf, scale, growth_factor, backoff_factor, growth_interval,
+                       min_scale, hysteresis):
+  """Megatron-LM's DynamicGradScaler.update, written out in f32."""
+  growth, hyst, out = 0, hysteresis, []
+  scale = np.float32(scale)
+  for inf in found_inf:
+    if inf:
+      growth = 0
+      hyst -= 1
+      if hyst <= 0:
+        scale = max(np.float32(scale * np.float32(backoff_factor)), np.float32(min_scale))
+    else:
+      growth += 1
+      if growth == growth_interval:
+        growth, hyst = 0, hysteresis
+        scale = np.float32(scale * np.float32(growth_factor))
+    out.append((scale, growth))
+  return out
+
+
+def _trajectory(ls, found_inf):
+  def body(s, inf):
+    s = s.adjust(~inf)
+    return s, (s.loss_scale, s.growth_tracker)
+
+  _, (scales, trackers) = jax.jit(lambda s, f: jax.lax.scan(body, s, f))(
+      ls, jnp.asarray(found_inf))
+  return list(zip(np.asarray(scales).tolist(), np.asarray(trackers).tolist()))
+
+
+def test_trajectory_equals_gradscaler_rule():
+  rng = np.random.default_rng(0)
+  found_inf = rng.random(6000) < 0.12
+  found_inf[4000:4300] = False  # a long finite run: growth to the f32 ceiling and beyond
+  ls = po.DynamicLossScale(2.0 ** 100, growth_factor=2.0, backoff_factor=0.5,
+                           growth_interval=3, min_scale=F32_TINY)
+  got = _trajectory(ls, found_inf)
+  want = gradscaler_reference(found_inf, 2.0 ** 100, 2.0, 0.5, 3)
+  assert [(float(s), t) for s, t in want] == got
+  scales = np.array([s for s, _ in got])
+  assert scales.max() == 2.0 ** 127  # grew until the next step would overflow f32
+  assert (np.diff(scales) < 0).sum() > 100 and (np.diff(scales) > 0).sum() > 100
+
+
+def test_trajectory_equals_megatron_hysteresis_rule():
+  rng = np.random.default_rng(1)
+  found_inf = rng.random(4000) < 0.3
+  ls = po.DynamicLossScale(64.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=4,
+                           min_scale=1.0, hysteresis=3)
+  got = _trajectory(ls, found_inf)
+  want = megatron_reference(found_inf, 64.0, 2.0, 0.5, 4, 1.0, 3)
+  assert [(float(s), t) for s, t in want] == got
+  assert min(s for s, _ in got) == 1.0  # the floor was hit
+
+
+def test_max_scale_caps_growth():
+  ls = po.DynamicLossScale(2.0 ** 18, growth_interval=1, max_scale=2.0 ** 20)
+  for _ in range(5):
+    ls = ls.adjust(jnp.asarray(True))
+  assert float(ls.loss_scale) == 2.0 ** 20
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_skipped_step_is_bit_identical(bad):
+  params = {"w": jnp.asarray([1.5, -0.0, 0.0, -2.25], jnp.bfloat16),
+            "b": jnp.asarray([0.125, -3.0], jnp.bfloat16)}
+  tx = po.loss_scaling(po.master_weights(optax.adamw(1e-2, weight_decay=0.1)),
+                       po.DynamicLossScale(2.0 ** 15))
+  state = tx.init(params)
+  good = {"w": jnp.asarray([1.0, 2.0, -1.0, 0.5], jnp.float32) * 2.0 ** 15,
+          "b": jnp.asarray([3.0, -1.0], jnp.float32) * 2.0 ** 15}
+  update = jax.jit(tx.update)
+  u, state = update(good, state, params)
+  params = po.apply_updates(params, u)
+  bad_grads = {"w": good["w"].at[2].set(bad), "b": good["b"]}
+  u, new_state = update(bad_grads, state, params)
+  assert_tree_bitwise(po.apply_updates(params, u), params)
+  assert_tree_bitwise(new_state.inner_state, state.inner_state)
+  m = po.optimizer_metrics(new_state)
+  assert float(m["loss_scale"]) == 2.0 ** 14
+  assert int(m["skipped_steps"]) == 1 and int(m["nonfinite_steps"]) == 1
+  assert int(m["consecutive_finite"]) == 0
+  assert not np.isfinite(float(m["grad_norm"]))
+
+
+def test_f16_model_tiny_scale_with_injected_overflows():
+  """f16 compute, f32 params, f16_mixed with a tiny initial scale that grows every 2 steps
+  until the f16 backward overflows on its own; inf/NaN injected at chosen steps too."""
+  recipe = precision.get_recipe("f16_mixed").replace(loss_scale=precision.LossScaleConfig(
+      kind="dynamic", initial_scale=2.0 ** -8, growth_interval=2, min_scale=2.0 ** -8))
+  policy = recipe.policy
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  params = {"w1": 0.5 * jax.random.normal(k1, (8, 16), jnp.float32),
+            "w2": 0.5 * jax.random.normal(k2, (16, 1), jnp.float32)}
+  x = jax.random.normal(k3, (32, 8), jnp.float32)
+  y = jnp.sum(x, axis=1, keepdims=True)
+
+  def loss_fn(p, x, y):
+    p16, x16 = policy.cast_to_compute(p), policy.cast_to_compute(x)
+    out = jnp.tanh(x16 @ p16["w1"]) @ p16["w2"]
+    return jnp.mean(jnp.square(out.astype(jnp.float32) - y))  # loss in f32
+
+  tx = po.build_optimizer(recipe, optax.adam(1e-2))
+  grad_fn = po.scaled_value_and_grad(loss_fn)
+  inject = {7: np.inf, 19: np.nan, 33: -np.inf}
+
+  @jax.jit
+  def step(params, state, poison):
+    loss, grads = grad_fn(state, params, x, y)
+    grads = {"w1": grads["w1"].at[0, 0].add(poison), "w2": grads["w2"]}
+    finite = po._tree.all_finite(grads)
+    u, state = tx.update(grads, state, params)
+    return po.apply_updates(params, u), state, finite, loss
+
+  state = tx.init(params)
+  nonfinite, natural = [], []
+  for t in range(70):
+    new_params, state, finite, loss = step(params, state, jnp.float32(inject.get(t, 0.0)))
+    assert po._tree.all_finite(new_params)
+    if not bool(finite):
+      nonfinite.append(t)
+      natural.append(t not in inject)
+      assert_tree_bitwise(new_params, params)
+    params = new_params
+    assert int(po.optimizer_metrics(state)["skipped_steps"]) == len(nonfinite)
+  assert set(inject) <= set(nonfinite)
+  print("non-finite steps", nonfinite, "final scale", float(po.loss_scale_of(state)))
+  assert any(natural), "the growing scale never overflowed f16 on its own"
+  assert np.isfinite(float(loss)) and float(loss) < 20.0
