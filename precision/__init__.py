@@ -5,10 +5,13 @@ get_recipe, float-format facts (`precision.formats`), the faithful-rounding swit
 stochastic rounding, and the subpackages flax, audit, optim, fp8, parallel, checkpoint.
 """
 
+from precision import flax
 from precision import formats
 from precision import optim
 from precision import ops
 from precision import rounding
+from precision.audit import PrecisionReport
+from precision.audit import audit
 from precision._numerics import enable_faithful_rounding
 from precision._numerics import faithful_rounding_enabled
 from precision._policy import Policy
@@ -38,12 +41,15 @@ __all__ = [
     "Fp8Config",
     "LossScaleConfig",
     "PRESETS",
+    "PrecisionReport",
     "Policy",
     "Recipe",
     "cast_floating",
     "dtype_name",
     "enable_faithful_rounding",
     "faithful_rounding_enabled",
+    "audit",
+    "flax",
     "formats",
     "get_policy",
     "get_recipe",

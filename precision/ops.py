@@ -13,7 +13,7 @@ accumulate in f32 via ``preferred_element_type``.
 | rms_norm           | f32         | input dtype    | mean of squares and rsqrt                            |
 | layer_norm         | f32         | input dtype    | mean, variance and rsqrt                             |
 | rotary_embedding   | f32         | input dtype    | sin/cos of large position * frequency products       |
-| dot_general/einsum | operands in compute dtype | compute dtype | accumulation in f32 (preferred_element_type) |
+| dot_general/einsum | operands in compute dtype | compute dtype | accumulation in f32 (preferred_element_type), backward GEMMs too |
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from precision.flax._gemm import policy_dot_general, policy_einsum
 
 _F32 = jnp.float32
 
@@ -106,17 +109,37 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) 
   return out.astype(x.dtype)
 
 
-def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, compute_dtype: Any,
+def _common_dtype(operands, what: str):
+  dtypes = {np.dtype(o.dtype) for o in operands}
+  if len(dtypes) != 1:
+    raise ValueError(
+        f"{what}: operands have dtypes {sorted(d.name for d in dtypes)}; pass compute_dtype= "
+        "(e.g. jnp.bfloat16) to say which dtype the GEMM runs in")
+  return dtypes.pop()
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, compute_dtype: Any = None,
                 precision=None) -> jax.Array:
   """dot_general with both operands in `compute_dtype`, f32 accumulation, and the result
-  rounded once to `compute_dtype`."""
-  out = jax.lax.dot_general(lhs.astype(compute_dtype), rhs.astype(compute_dtype),
-                            dimension_numbers, precision=precision,
-                            preferred_element_type=_F32)
-  return out.astype(compute_dtype)
+  rounded once to `compute_dtype` (default: the operands' common dtype).
+
+  The backward GEMMs also take compute-dtype operands and accumulate in f32 (a custom VJP;
+  see precision.flax.policy_dot_general), unlike `lax.dot_general(...,
+  preferred_element_type=f32)` whose transpose multiplies an f32 cotangent by a bf16 operand.
+  """
+  if compute_dtype is None:
+    compute_dtype = _common_dtype((lhs, rhs), "dot_general")
+  return policy_dot_general(lhs, rhs, dimension_numbers, compute_dtype, precision=precision)
 
 
-def einsum(subscripts: str, *operands: jax.Array, compute_dtype: Any) -> jax.Array:
-  """einsum with operands in `compute_dtype`, f32 accumulation, result in `compute_dtype`."""
-  ops = [o.astype(compute_dtype) for o in operands]
-  return jnp.einsum(subscripts, *ops, preferred_element_type=_F32).astype(compute_dtype)
+def einsum(subscripts: str, *operands: jax.Array, compute_dtype: Any = None,
+           precision=None) -> jax.Array:
+  """einsum with operands in `compute_dtype` (default: their common dtype), f32
+  accumulation forward and backward, result in `compute_dtype`.
+
+  Examples:
+    >>> scores = ops.einsum("bqhd,bkhd->bhqk", q, k)   # q, k bf16 -> bf16, f32 accumulate
+  """
+  if compute_dtype is None:
+    compute_dtype = _common_dtype(operands, "einsum")
+  return policy_einsum(subscripts, *operands, compute_dtype=compute_dtype, precision=precision)

@@ -1,0 +1,41 @@
+"""precision.audit: the precision map of any JAX function, from its jaxpr.
+
+Examples:
+  >>> report = precision.audit(jax.value_and_grad(loss_fn), params, batch)
+  >>> print(report)                       # GEMM table + one-screen precision map
+  >>> report.check("p=f32,c=bf16,o=f32")  # raises PrecisionViolation listing offenders
+"""
+
+from __future__ import annotations
+
+from precision.audit._report import PrecisionReport
+from precision.audit._report import PrecisionViolation
+from precision.audit._walk import ConvertRecord
+from precision.audit._walk import GemmRecord
+from precision.audit._walk import OpRecord
+from precision.audit._walk import trace
+from precision.audit._walk import walk
+
+
+def audit(fn, *args, **kwargs) -> PrecisionReport:
+  """Traces `fn(*args, **kwargs)` (forward, value_and_grad, or a whole jitted train step)
+  and returns its PrecisionReport: every dot_general/convolution with source location,
+  operand, accumulation and output dtypes and FLOPs (forward and backward, inside pjit,
+  custom_vjp/jvp, scan (times its length), while, cond and remat); every reduction and
+  exp/log with its dtype; every convert; bytes of intermediates by dtype. Nothing runs:
+  only abstract tracing."""
+  closed = trace(fn, *args, **kwargs)
+  w = walk(closed.jaxpr)
+  name = getattr(fn, "__name__", None) or type(fn).__name__
+  return PrecisionReport(name, tuple(w.gemms), tuple(w.ops), tuple(w.converts),
+                         dict(w.bytes_by_dtype), w.has_while)
+
+
+__all__ = [
+    "ConvertRecord",
+    "GemmRecord",
+    "OpRecord",
+    "PrecisionReport",
+    "PrecisionViolation",
+    "audit",
+]

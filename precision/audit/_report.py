@@ -1,0 +1,149 @@
+"""PrecisionReport: what a traced function computes in which dtype, and `check(policy)`."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fnmatch
+from typing import Any, Mapping
+
+import numpy as np
+
+from precision._policy import Policy, dtype_name, get_policy
+from precision.audit._walk import ConvertRecord, GemmRecord, OpRecord
+
+_F32 = np.dtype(np.float32)
+
+
+def _short(name: str) -> str:
+  try:
+    return dtype_name(name)
+  except (ValueError, KeyError, TypeError):
+    return name
+
+
+def _below_f32(name: str) -> bool:
+  dt = np.dtype(name)
+  return np.issubdtype(dt, np.floating) and dt.itemsize < _F32.itemsize or name.startswith(
+      "float8") or name == "bfloat16"
+
+
+def _is_float(name: str) -> bool:
+  return name.startswith("float") or name == "bfloat16"
+
+
+class PrecisionViolation(ValueError):
+  """Raised by PrecisionReport.check; `.violations` lists one line per offending op."""
+
+  def __init__(self, violations: list[str]):
+    self.violations = list(violations)
+    super().__init__(f"{len(violations)} precision violation(s):\n  " + "\n  ".join(violations))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+  """Every GEMM, reduction, transcendental and convert of a traced function, with dtypes.
+
+  Attributes:
+    name: the function's name.
+    gemms: GemmRecord per dot_general / convolution (forward and backward).
+    ops: OpRecord per reduction and transcendental (exp, log, ...).
+    converts: ConvertRecord per convert_element_type.
+    bytes_by_dtype: bytes of all intermediate values by dtype name (an upper bound on
+      activation memory: before XLA fusion and buffer reuse).
+    has_while: a while loop was walked once (its trip count is unknown to the jaxpr).
+  """
+
+  name: str
+  gemms: tuple[GemmRecord, ...]
+  ops: tuple[OpRecord, ...]
+  converts: tuple[ConvertRecord, ...]
+  bytes_by_dtype: Mapping[str, int]
+  has_while: bool = False
+
+  # --------------------------------------------------------------------- summaries
+  @property
+  def flops(self) -> int:
+    """Total GEMM FLOPs (2 per multiply-add) per call."""
+    return sum(g.flops for g in self.gemms)
+
+  @property
+  def num_gemms(self) -> int:
+    return sum(g.count for g in self.gemms)
+
+  def gemm_signatures(self, direction: str | None = None) -> collections.Counter:
+    """Counter of (lhs, rhs, acc, out) short dtype names over GEMMs (optionally fwd/bwd)."""
+    return collections.Counter(
+        (_short(g.lhs_dtype), _short(g.rhs_dtype), _short(g.acc_dtype), _short(g.out_dtype))
+        for g in self.gemms if direction in (None, g.direction) for _ in range(g.count))
+
+  def gemms_in_scope(self, pattern: str) -> list[GemmRecord]:
+    """GEMMs whose scope (module path) matches an fnmatch pattern."""
+    return [g for g in self.gemms if fnmatch.fnmatchcase(g.scope, pattern)]
+
+  def convert_counts(self) -> collections.Counter:
+    return collections.Counter(
+        (_short(c.from_dtype), _short(c.to_dtype)) for c in self.converts for _ in range(c.count))
+
+  def island_dtypes(self) -> dict[str, set[str]]:
+    """{op name: dtypes its reductions/transcendentals ran in} for ops that come from
+    precision.ops, flax norm layers or jax.nn functions."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for o in self.ops:
+      if o.op:
+        out[o.op].add(_short(o.dtype))
+    return dict(out)
+
+  # --------------------------------------------------------------------- check
+  def violations(self, policy: Policy | str,
+                 overrides: Mapping[Any, Policy | str] | None = None) -> list[str]:
+    """The list `check` raises with (empty when the function follows the policy)."""
+    policy = get_policy(policy)
+    rules = [(k, get_policy(v)) for k, v in (overrides or {}).items()]
+    allowed_anywhere = {np.dtype(p.compute_dtype).name for k, p in rules if not isinstance(k, str)}
+    found = []
+    for g in self.gemms:
+      where = f"{g.direction} {g.primitive} {g.shape} at {g.location or '?'} [{g.scope}]"
+      if _below_f32(g.acc_dtype) and _is_float(g.acc_dtype):
+        found.append(f"GEMM accumulates in {_short(g.acc_dtype)} (< f32): {where}")
+      if g.is_fp8:
+        continue  # fp8 GEMMs are the fp8 recipe's choice; only their accumulation is checked
+      compute = np.dtype(policy.compute_dtype).name
+      for key, pol in rules:
+        if isinstance(key, str) and fnmatch.fnmatchcase(g.scope, key):
+          compute = np.dtype(pol.compute_dtype).name
+          break
+      ok = {compute} | allowed_anywhere
+      if g.lhs_dtype not in ok or g.rhs_dtype not in ok:
+        found.append(
+            f"GEMM operands {_short(g.lhs_dtype)} x {_short(g.rhs_dtype)}, expected "
+            f"{_short(compute)}: {where}")
+    for o in self.ops:
+      if o.kind == "accumulating" and _is_float(o.dtype) and _below_f32(o.dtype):
+        found.append(f"{o.primitive} accumulates in {_short(o.dtype)} (< f32): {o.direction} "
+                     f"at {o.location or '?'} [{o.scope}] {o.op}")
+    return found
+
+  def check(self, policy: Policy | str,
+            overrides: Mapping[Any, Policy | str] | None = None) -> "PrecisionReport":
+    """Raises PrecisionViolation (a ValueError) listing every GEMM whose operands are not in
+    the policy's compute dtype (outside `overrides`, whose path patterns are matched
+    against each GEMM's scope; type keys allow their compute dtype anywhere), every GEMM
+    accumulating below f32, and every accumulating reduction (sum, cumsum, scatter-add,
+    psum) below f32. fp8 GEMMs are accepted when they accumulate in f32. Returns self."""
+    found = self.violations(policy, overrides)
+    if found:
+      raise PrecisionViolation(found)
+    return self
+
+  # --------------------------------------------------------------------- printing
+  def table(self, max_rows: int = 40) -> str:
+    from precision.audit._format import gemm_table
+    return gemm_table(self, max_rows)
+
+  def precision_map(self) -> str:
+    from precision.audit._format import precision_map
+    return precision_map(self)
+
+  def __str__(self) -> str:
+    return self.table() + "\n\n" + self.precision_map()

@@ -1,0 +1,214 @@
+"""Walks a jaxpr (into pjit, custom_vjp/jvp, scan, while, cond, remat, shard_map) and
+records the precision of every GEMM, reduction, transcendental and convert."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+GEMM_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+# Reductions that add (or multiply) many terms: rounding error grows with their length.
+ACCUMULATING = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "psum",
+                "scatter-add", "scatter_add", "reduce_precision_sum")
+# Reductions that select a value: exact in any dtype, reported but never a violation.
+SELECTING = ("reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin", "pmax",
+             "pmin", "reduce_and", "reduce_or")
+TRANSCENDENTAL = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "tanh", "pow", "rsqrt",
+                  "sqrt", "erf", "sin", "cos")
+
+_PKG_DIRS = tuple(os.sep + d + os.sep for d in ("jax", "jaxlib", "flax", "optax"))
+_PRECISION_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_WRAPPERS = re.compile(r"\b(?:transpose|jvp|vmap|remat|checkpoint|pjit|jit|vjp)\(")
+
+
+class GemmRecord(NamedTuple):
+  """One GEMM (dot_general or convolution) of the traced function."""
+  primitive: str        # "dot_general" | "conv_general_dilated" | ...
+  lhs_dtype: str
+  rhs_dtype: str
+  acc_dtype: str        # preferred_element_type (the output dtype when unset)
+  out_dtype: str
+  flops: int            # 2 * MACs, times `count`
+  count: int            # executions per call (scan trip counts)
+  shape: str            # "bf16[8,32] x bf16[32,96] -> f32[8,96]"
+  scope: str            # name stack with transform wrappers removed ("blocks/0/qkv")
+  direction: str        # "fwd" | "bwd"
+  location: str         # user source "file.py:123 (function)"
+  op: str               # enclosing precision.ops / flax / jax.nn function, or ""
+
+  @property
+  def is_fp8(self) -> bool:
+    return self.lhs_dtype.startswith("float8") or self.rhs_dtype.startswith("float8")
+
+
+class OpRecord(NamedTuple):
+  """A reduction or transcendental op."""
+  primitive: str
+  kind: str             # "accumulating" | "selecting" | "transcendental"
+  dtype: str            # dtype the op computes in (its input)
+  count: int
+  scope: str
+  direction: str
+  location: str
+  op: str
+
+
+class ConvertRecord(NamedTuple):
+  from_dtype: str
+  to_dtype: str
+  nbytes: int
+  count: int
+  scope: str
+  direction: str
+  location: str
+  op: str
+
+
+def _frames(eqn):
+  tb = eqn.source_info.traceback
+  return [] if tb is None else list(tb.frames)
+
+
+def _is_library(path: str) -> bool:
+  return any(d in path for d in _PKG_DIRS) or path.startswith(_PRECISION_DIR)
+
+
+def _location(frames) -> str:
+  for f in frames:  # innermost first
+    if not _is_library(f.file_name) and "/contextlib.py" not in f.file_name:
+      return f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"
+  return ""
+
+
+def _op_name(frames) -> str:
+  """The precision.ops function, flax norm layer or jax.nn function an op comes from
+  (preferred in that order: an ops.softmax calls jax.nn.softmax)."""
+  ops_file = os.path.join(_PRECISION_DIR, "ops.py")
+  for f in frames:
+    if f.file_name == ops_file:
+      return f.function_name
+  for f in frames:
+    if os.sep + "flax" + os.sep in f.file_name and "normalization" in f.file_name:
+      return "norm"
+  for f in frames:
+    if os.sep + "jax" + os.sep in f.file_name and f.file_name.endswith(
+        os.path.join("nn", "functions.py")):
+      return f.function_name.lstrip("_").replace("_deprecated", "")
+  return ""
+
+
+def _scope(eqn) -> tuple[str, str]:
+  stack = str(eqn.source_info.name_stack)
+  direction = "bwd" if "transpose(" in stack else "fwd"
+  return _WRAPPERS.sub("", stack).replace(")", ""), direction
+
+
+def _dtype(aval) -> str:
+  return np.dtype(aval.dtype).name
+
+
+def _short(aval) -> str:
+  from precision._policy import dtype_name
+  try:
+    name = dtype_name(aval.dtype)
+  except (ValueError, KeyError):
+    name = np.dtype(aval.dtype).name
+  return f"{name}[{','.join(str(d) for d in aval.shape)}]"
+
+
+def _gemm_flops(eqn) -> int:
+  out = eqn.outvars[0].aval
+  if eqn.primitive.name == "dot_general":
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval
+    k = int(np.prod([lhs.shape[i] for i in lc])) if lc else 1
+    return 2 * int(np.prod(out.shape)) * k
+  if eqn.primitive.name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval
+    out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+    return 2 * int(np.prod(out.shape)) * int(np.prod(rhs.shape)) // rhs.shape[out_feature_dim]
+  return 0
+
+
+def _subjaxprs(eqn):
+  """(jaxpr, multiplicity) pairs for every sub-jaxpr in the equation's params."""
+  mult = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+  out = []
+  for value in eqn.params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, jex_core.ClosedJaxpr):
+        out.append((v.jaxpr, mult))
+      elif isinstance(v, jex_core.Jaxpr):
+        out.append((v, mult))
+  return out
+
+
+class Walk(NamedTuple):
+  gemms: list
+  ops: list
+  converts: list
+  bytes_by_dtype: dict
+  has_while: bool
+
+
+def walk(jaxpr, mult: int = 1, acc: Walk | None = None) -> Walk:
+  """Records every equation of `jaxpr` and of its sub-jaxprs, recursively."""
+  acc = acc or Walk([], [], [], {}, False)
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    subs = _subjaxprs(eqn)
+    if subs:
+      if name == "while":
+        acc = acc._replace(has_while=True)
+      # A custom_vjp/custom_jvp call holds its primal body; count it once.
+      for sub, m in subs:
+        if name in ("custom_vjp_call", "custom_jvp_call") and sub is not subs[0][0]:
+          continue
+        acc = walk(sub, mult * m, acc)
+      continue
+    for v in eqn.outvars:
+      aval = getattr(v, "aval", None)
+      if aval is not None and hasattr(aval, "dtype") and hasattr(aval, "shape"):
+        try:
+          key = np.dtype(aval.dtype).name
+        except TypeError:
+          continue
+        acc.bytes_by_dtype[key] = (acc.bytes_by_dtype.get(key, 0)
+                                   + int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize)
+    if name not in GEMM_PRIMITIVES + ACCUMULATING + SELECTING + TRANSCENDENTAL + (
+        "convert_element_type",):
+      continue
+    frames = _frames(eqn)
+    scope, direction = _scope(eqn)
+    loc, op = _location(frames), _op_name(frames)
+    if name in GEMM_PRIMITIVES:
+      lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+      out = eqn.outvars[0].aval
+      pref = eqn.params.get("preferred_element_type")
+      acc_dtype = np.dtype(pref).name if pref is not None else _dtype(out)
+      acc.gemms.append(GemmRecord(
+          name, _dtype(lhs), _dtype(rhs), acc_dtype, _dtype(out), _gemm_flops(eqn) * mult,
+          mult, f"{_short(lhs)} x {_short(rhs)} -> {_short(out)}", scope, direction, loc, op))
+    elif name == "convert_element_type":
+      src, dst = eqn.invars[0].aval, eqn.outvars[0].aval
+      if not (hasattr(src, "dtype") and hasattr(dst, "dtype")) or src.dtype == dst.dtype:
+        continue
+      nbytes = int(np.prod(dst.shape)) * np.dtype(dst.dtype).itemsize
+      acc.converts.append(ConvertRecord(_dtype(src), _dtype(dst), nbytes, mult, scope,
+                                        direction, loc, op))
+    else:
+      kind = ("accumulating" if name in ACCUMULATING else
+              "selecting" if name in SELECTING else "transcendental")
+      src = eqn.invars[0].aval if name not in ("scatter-add", "scatter_add") else eqn.invars[-1].aval
+      acc.ops.append(OpRecord(name, kind, _dtype(src), mult, scope, direction, loc, op))
+  return acc
+
+
+def trace(fn, *args, **kwargs):
+  """The closed jaxpr of fn(*args, **kwargs) (fn may already be jitted)."""
+  return jax.make_jaxpr(fn)(*args, **kwargs)

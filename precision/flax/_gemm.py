@@ -1,0 +1,263 @@
+"""Policy GEMMs: operands in the compute dtype and f32 accumulation, forward AND backward.
+
+Written by hand, `nnx.Linear(dtype=bf16, preferred_element_type=f32)` runs its forward GEMM
+as bf16 x bf16 -> f32, but JAX's transpose rule then multiplies the f32 output cotangent by
+a bf16 operand, so two of the three GEMMs of every layer run as f32 x bf16 (jax issue
+34330) and XLA executes them in f32. The custom VJP here rounds the incoming cotangent to
+the compute dtype once, so both backward GEMMs also take compute-dtype operands and
+accumulate in f32 (`preferred_element_type=float32`), as cuBLAS/cuDNN mixed-precision
+training does (seeds 002/003: "bf16 in, f32 accumulate").
+
+Gradients leave the backward GEMMs straight from the f32 accumulator in the dtype of the
+primal operand: an f32 kernel gets an f32 gradient that was never rounded to bf16, a bf16
+activation gets a bf16 cotangent.
+
+With an f32 compute dtype none of this is needed: the plain `lax` ops run, so an fp32
+policy is bit-identical to the model without the library.
+
+The backward GEMMs reuse JAX's own transpose rules for dot_general and
+conv_general_dilated (private functions of jax 0.10), called with a compute-dtype cotangent
+and `preferred_element_type=float32`; that keeps layouts, dimension numbers and padding
+exactly those of JAX's automatic transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lax import convolution as _lax_conv
+from jax._src.lax import lax as _lax_impl
+
+_F32 = np.dtype(np.float32)
+
+
+class _Undefined(NamedTuple):
+  """Stands in for the linear (undefined) operand of JAX's transpose rules: they read
+  only `.aval` (shape, dtype of the cotangent to return, sharding, weak_type)."""
+  aval: Any
+
+
+def _target_aval(like: jax.Array, dtype: np.dtype):
+  return jax.typeof(like).update(dtype=dtype, weak_type=False)
+
+
+# ----------------------------------------------------------------------------- dot_general
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _dot(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
+  del x_dtype, w_dtype
+  out = lax.dot_general(x.astype(compute), w.astype(compute), dimension_numbers,
+                        precision=precision, preferred_element_type=_F32)
+  return out.astype(compute)
+
+
+def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
+  xc, wc = x.astype(compute), w.astype(compute)
+  out = lax.dot_general(xc, wc, dimension_numbers, precision=precision,
+                        preferred_element_type=_F32)
+  # Residuals in the compute dtype: half the bytes of f32 copies.
+  return out.astype(compute), (xc, wc)
+
+
+def _dot_bwd(dimension_numbers, precision, compute, x_dtype, w_dtype, res, g):
+  xc, wc = res
+  gc = g.astype(compute)  # round the cotangent once: both GEMMs below are compute x compute
+  dx = _lax_impl._dot_general_transpose_lhs(
+      gc, _Undefined(_target_aval(xc, x_dtype)), wc, dimension_numbers=dimension_numbers,
+      precision=precision, preferred_element_type=_F32, out_sharding=None)
+  dw = _lax_impl._dot_general_transpose_rhs(
+      gc, xc, _Undefined(_target_aval(wc, w_dtype)), dimension_numbers=dimension_numbers,
+      precision=precision, preferred_element_type=_F32, out_sharding=None)
+  return dx, dw
+
+
+_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def _canonical_dims(dimension_numbers):
+  (lc, rc), (lb, rb) = dimension_numbers
+  return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
+
+
+def policy_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, compute_dtype: Any,
+                       precision=None, out_sharding=None) -> jax.Array:
+  """`lax.dot_general` with both operands in `compute_dtype` and f32 accumulation.
+
+  Forward: cast lhs/rhs to `compute_dtype`, `dot_general(..., preferred_element_type=f32)`,
+  round the result once to `compute_dtype`. Backward (compute dtype below f32): the
+  cotangent is rounded to `compute_dtype` and both gradient GEMMs are
+  compute x compute -> f32; each gradient is returned in its operand's own dtype.
+
+  Args:
+    lhs, rhs: floating arrays of any float dtype.
+    dimension_numbers: as `lax.dot_general`.
+    compute_dtype: operand dtype of all three GEMMs (bf16, f16, f32, ...).
+  Returns:
+    An array of `compute_dtype`.
+  """
+  compute = np.dtype(compute_dtype)
+  dims = _canonical_dims(dimension_numbers)
+  if compute.itemsize >= _F32.itemsize:
+    # f32 (or wider) compute: JAX's own rules already run every GEMM in `compute`.
+    out = lax.dot_general(lhs.astype(compute), rhs.astype(compute), dims, precision=precision,
+                          preferred_element_type=compute, out_sharding=out_sharding)
+    return out
+  return _dot(lhs, rhs, dims, precision, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+
+
+# ----------------------------------------------------------------------------- convolution
+
+
+class _ConvParams(NamedTuple):
+  """Canonical, hashable parameters of one conv_general_dilated (as JAX's jaxpr holds them)."""
+  window_strides: tuple
+  padding: tuple
+  lhs_dilation: tuple
+  rhs_dilation: tuple
+  dimension_numbers: Any
+  feature_group_count: int
+  batch_group_count: int
+  precision: Any
+
+
+def _canonical_conv_params(lhs, rhs, **kwargs) -> _ConvParams:
+  # Let JAX canonicalise padding strings, default dilations and dimension numbers by
+  # tracing the plain op abstractly; the parameters are then exactly those of its jaxpr.
+  fn = functools.partial(lax.conv_general_dilated, **kwargs)
+  jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+                             jax.ShapeDtypeStruct(rhs.shape, lhs.dtype))
+  (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+  p = eqn.params
+  return _ConvParams(tuple(p["window_strides"]), tuple(tuple(q) for q in p["padding"]),
+                     tuple(p["lhs_dilation"]), tuple(p["rhs_dilation"]),
+                     p["dimension_numbers"], p["feature_group_count"],
+                     p["batch_group_count"], p["precision"])
+
+
+def _conv_call(lhs, rhs, params: _ConvParams, preferred):
+  return lax.conv_general_dilated(
+      lhs, rhs, params.window_strides, params.padding, lhs_dilation=params.lhs_dilation,
+      rhs_dilation=params.rhs_dilation, dimension_numbers=params.dimension_numbers,
+      feature_group_count=params.feature_group_count,
+      batch_group_count=params.batch_group_count, precision=params.precision,
+      preferred_element_type=preferred)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _conv(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
+  del lhs_dtype, rhs_dtype
+  return _conv_call(lhs.astype(compute), rhs.astype(compute), params, _F32).astype(compute)
+
+
+def _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
+  lc, rc = lhs.astype(compute), rhs.astype(compute)
+  return _conv_call(lc, rc, params, _F32).astype(compute), (lc, rc)
+
+
+def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, res, g):
+  lc, rc = res
+  gc = g.astype(compute)  # compute x compute backward convolutions, f32 accumulation
+  kw = dict(window_strides=params.window_strides, padding=params.padding,
+            lhs_dilation=params.lhs_dilation, rhs_dilation=params.rhs_dilation,
+            dimension_numbers=params.dimension_numbers,
+            feature_group_count=params.feature_group_count,
+            batch_group_count=params.batch_group_count, precision=params.precision,
+            preferred_element_type=_F32, out_sharding=None)
+  dl = _lax_conv._conv_general_dilated_transpose_lhs(
+      gc, _Undefined(_target_aval(lc, lhs_dtype)), rc, **kw)
+  dr = _lax_conv._conv_general_dilated_transpose_rhs(
+      gc, lc, _Undefined(_target_aval(rc, rhs_dtype)), **kw)
+  return dl, dr
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def policy_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, padding,
+                                lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                                feature_group_count: int = 1, batch_group_count: int = 1,
+                                precision=None, *, compute_dtype: Any,
+                                out_sharding=None) -> jax.Array:
+  """`lax.conv_general_dilated` with compute-dtype operands and f32 accumulation in the
+  forward and both backward convolutions; returns `compute_dtype`."""
+  compute = np.dtype(compute_dtype)
+  kwargs = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
+                rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                feature_group_count=feature_group_count,
+                batch_group_count=batch_group_count, precision=precision)
+  if compute.itemsize >= _F32.itemsize:
+    return lax.conv_general_dilated(lhs.astype(compute), rhs.astype(compute),
+                                    out_sharding=out_sharding, **kwargs)
+  params = _canonical_conv_params(lhs, rhs, **kwargs)
+  return _conv(lhs, rhs, params, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+
+
+# ----------------------------------------------------------------------------- callables
+
+
+def _scoped(scope: str):
+  return jax.named_scope(scope) if scope else _NullScope()
+
+
+class _NullScope:
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyDotGeneral:
+  """A `dot_general` callable for a Flax layer's `dot_general` attribute.
+
+  Hashable and static (NNX stores it in the graph definition). `scope` (the layer's module
+  path) becomes a `jax.named_scope`, so `precision.audit` can attribute the layer's
+  forward and backward GEMMs to it. The caller's `preferred_element_type` is ignored:
+  the policy always accumulates in f32.
+  """
+
+  compute_dtype: np.dtype
+  scope: str = ""
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None, out_sharding=None, **unused):
+    del preferred_element_type, unused
+    with _scoped(self.scope):
+      return policy_dot_general(lhs, rhs, dimension_numbers, self.compute_dtype,
+                                precision=precision, out_sharding=out_sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConv:
+  """A `conv_general_dilated` callable for a Flax Conv layer (see PolicyDotGeneral)."""
+
+  compute_dtype: np.dtype
+  scope: str = ""
+
+  def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+               dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+               precision=None, preferred_element_type=None, out_sharding=None, **unused):
+    del preferred_element_type, unused
+    with _scoped(self.scope):
+      return policy_conv_general_dilated(
+          lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+          feature_group_count, batch_group_count, precision,
+          compute_dtype=self.compute_dtype, out_sharding=out_sharding)
+
+
+def policy_einsum(subscripts: str, *operands: jax.Array, compute_dtype: Any,
+                  dot_general=None, precision=None) -> jax.Array:
+  """`jnp.einsum` whose contractions go through a policy dot_general (or `dot_general`)."""
+  dg = dot_general if dot_general is not None else PolicyDotGeneral(np.dtype(compute_dtype))
+  ops = [o.astype(compute_dtype) for o in operands]
+  out = jnp.einsum(subscripts, *ops, precision=precision, _dot_general=dg)
+  return out.astype(compute_dtype)

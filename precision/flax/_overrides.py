@@ -1,0 +1,76 @@
+"""Override rules shared by the NNX and Linen integrations.
+
+`overrides` maps a module path pattern (fnmatch on the "a/b/0/c" path, e.g. "*lm_head*")
+or a module type to another policy (a Policy or a policy string). Rules are tried in the
+order given and the first match wins; a module no rule matches inherits the policy of the
+module that contains it, so an override on a block covers every layer inside it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Iterable, Mapping, NamedTuple
+
+from precision._policy import Policy, get_policy
+
+
+class Rule(NamedTuple):
+  key: str | type
+  policy: Policy
+
+
+def parse_overrides(overrides: Mapping[Any, Any] | None, module_base: type | tuple[type, ...]
+                    ) -> tuple[Rule, ...]:
+  """Validates `overrides` and parses every policy.
+
+  Raises:
+    ValueError: naming a key that is neither a non-empty pattern string nor a module type,
+      or a policy string that does not parse.
+  """
+  if overrides is None:
+    return ()
+  if not isinstance(overrides, Mapping):
+    raise ValueError(
+        f"overrides must be a mapping {{pattern or module type: policy}}, got {overrides!r}")
+  rules = []
+  for key, value in overrides.items():
+    if isinstance(key, str):
+      if not key.strip():
+        raise ValueError(
+            f"Empty override pattern {key!r}; expected an fnmatch pattern on module paths "
+            "such as '*lm_head*' or 'blocks/0/*'")
+    elif not (isinstance(key, type) and issubclass(key, module_base)):
+      raise ValueError(
+          f"Override key {key!r} is neither a path pattern (str) nor a module type "
+          f"(subclass of {module_base})")
+    try:
+      policy = get_policy(value)
+    except ValueError as e:
+      raise ValueError(f"Override {key!r}: bad policy {value!r}: {e}") from e
+    rules.append(Rule(key, policy))
+  return tuple(rules)
+
+
+def match(rules: Iterable[Rule], path: str, module: Any) -> Rule | None:
+  """The first rule whose pattern matches `path` or whose type `module` is an instance of."""
+  for rule in rules:
+    if isinstance(rule.key, str):
+      if fnmatch.fnmatchcase(path, rule.key):
+        return rule
+    elif isinstance(module, rule.key):
+      return rule
+  return None
+
+
+def check_all_matched(rules: Iterable[Rule], matched: set, paths: list[str]) -> None:
+  """Raises ValueError naming every rule that matched no module (a typo in a pattern)."""
+  unmatched = [r.key for r in rules if r.key not in matched]
+  if unmatched:
+    shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
+    names = ", ".join(repr(k) if isinstance(k, str) else k.__name__ for k in unmatched)
+    raise ValueError(
+        f"Override pattern(s) {names} matched no module; module paths are: {shown}")
+
+
+def path_str(path: Iterable[Any]) -> str:
+  return "/".join(str(p) for p in path)

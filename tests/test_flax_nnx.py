@@ -1,0 +1,185 @@
+"""precision.flax.apply_policy on NNX models: the issue-3 gates for NNX."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import precision as mp
+from precision.flax import apply_policy, apply_recipe
+import _models as M
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+MIXED = "p=f32,c=bf16,o=f32"
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+
+
+def _loss_and_grads(model, loss_fn, *args, promotion="strict"):
+  graphdef, state = nnx.split(model)
+
+  def step(state, *a):
+    with jax.numpy_dtype_promotion(promotion):
+      return jax.value_and_grad(lambda st: loss_fn(nnx.merge(graphdef, st), *a))(state)
+
+  return jax.jit(step), state
+
+
+def _equal_trees(a, b):
+  return all(jax.tree.leaves(jax.tree.map(
+      lambda x, y: bool(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))),
+      a, b)))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lm"])
+def test_fp32_policy_bit_identical(kind, tokens):
+  if kind == "mlp":
+    x = jax.random.normal(jax.random.key(1), (4, 16), F32)
+    y = jax.random.normal(jax.random.key(2), (4, 8), F32)
+    ref, lib, args, loss = (M.MLP(rngs=nnx.Rngs(0), handwritten=F32), M.MLP(rngs=nnx.Rngs(0)),
+                            (x, y), M.mlp_loss)
+  else:
+    ref, lib, args, loss = (M.AttentionLM(rngs=nnx.Rngs(0), handwritten=F32),
+                            M.AttentionLM(rngs=nnx.Rngs(0)), (tokens,), M.lm_loss)
+  apply_policy(lib, "f32")
+  f_ref, s_ref = _loss_and_grads(ref, loss, *args, promotion="standard")
+  f_lib, s_lib = _loss_and_grads(lib, loss, *args)
+  (l0, g0), (l1, g1) = f_ref(s_ref, *args), f_lib(s_lib, *args)
+  assert np.array_equal(np.asarray(l0), np.asarray(l1))
+  assert _equal_trees(nnx.to_pure_dict(g0), nnx.to_pure_dict(g1))
+  fwd = lambda m, x: nnx.jit(lambda m, x: m(x))(m, x)
+  with jax.numpy_dtype_promotion("standard"):
+    out_ref = fwd(ref, args[0])
+  assert np.array_equal(np.asarray(out_ref), np.asarray(fwd(lib, args[0])))
+
+
+@pytest.fixture(scope="module")
+def bf16_lm():
+  model = M.AttentionLM(rngs=nnx.Rngs(0))
+  return apply_policy(model, MIXED)
+
+
+def test_bf16_layers_and_dtypes(bf16_lm, tokens):
+  assert bf16_lm(tokens).dtype == F32  # output_dtype
+  assert bf16_lm.blocks[0].qkv.kernel.get_value().dtype == F32  # param_dtype
+  assert isinstance(bf16_lm.blocks[0].qkv.dot_general, mp.flax.PolicyDotGeneral)
+  h = bf16_lm.embed(tokens)
+  assert h.dtype == BF16
+  assert bf16_lm.blocks[0].norm1(h).dtype == BF16
+  assert bf16_lm.blocks[0].qkv(h).dtype == BF16
+  pure = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
+  assert {v.dtype for v in jax.tree.leaves(nnx.to_pure_dict(nnx.state(pure, nnx.Param)))} == {
+      np.dtype(BF16)}
+
+
+def test_bf16_audit_every_gemm_bf16_f32_accumulate(bf16_lm, tokens):
+  step, state = _loss_and_grads(bf16_lm, M.lm_loss, tokens)
+  report = mp.audit(step, state, tokens)
+  sigs = report.gemm_signatures()
+  assert set(sigs) == {("bf16", "bf16", "f32", "f32")}
+  assert sum(sigs.values()) == 21  # 7 GEMMs forward, 14 backward
+  assert report.gemm_signatures("bwd") == {("bf16", "bf16", "f32", "f32"): 14}
+  islands = report.island_dtypes()
+  for op in ("norm", "softmax", "cross_entropy"):
+    assert islands[op] == {"f32"}, (op, islands)
+  report.check(MIXED)
+  text = str(report)
+  assert "precision map" in text and "bf16 x bf16 in, f32 accumulate" in text
+
+
+def test_handwritten_flax_backward_is_mixed(tokens):
+  # jax issue 34330: hand-written Flax runs backward GEMMs as f32 x bf16.
+  hw = M.AttentionLM(rngs=nnx.Rngs(0), handwritten=BF16)
+  step, state = _loss_and_grads(hw, M.lm_loss, tokens, promotion="standard")
+  report = mp.audit(step, state, tokens)
+  mixed = [g for g in report.gemms if g.lhs_dtype != g.rhs_dtype]
+  assert len(mixed) >= 10 and all(g.direction == "bwd" for g in mixed)
+  with pytest.raises(ValueError, match="expected bf16"):
+    report.check(MIXED)
+
+
+def test_override_one_layer_to_f32(tokens):
+  model = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), MIXED,
+                       {"*lm_head*": "f32", nnx.Embed: MIXED})
+  step, state = _loss_and_grads(model, M.lm_loss, tokens)
+  report = mp.audit(step, state, tokens)
+  f32 = [g for g in report.gemms if g.lhs_dtype == "float32"]
+  assert len(f32) == 3 and {g.scope for g in f32} == {"lm_head"}
+  assert {g.direction for g in f32} == {"fwd", "bwd"}
+  others = [g for g in report.gemms if g.scope != "lm_head"]
+  assert len(others) == 18 and all(g.lhs_dtype == g.rhs_dtype == "bfloat16" for g in others)
+  report.check(MIXED, {"*lm_head*": "f32"})
+  with pytest.raises(ValueError, match="lm_head"):
+    report.check(MIXED)
+
+
+def test_compiled_hlo_vs_handwritten(bf16_lm, tokens):
+  hw = M.AttentionLM(rngs=nnx.Rngs(0), handwritten=BF16)
+  stats = []
+  for model, promo in ((bf16_lm, "strict"), (hw, "standard")):
+    step, state = _loss_and_grads(model, M.lm_loss, tokens, promotion=promo)
+    stats.append(M.hlo_stats(step.lower(state, tokens).compile().as_text()))
+  ours, hand = stats
+  assert ours["dots"] == hand["dots"] == 21
+  assert ours["dot_flops"] == hand["dot_flops"]
+  # Stated constant: at most 4 more converts than the hand-written model (measured: fewer).
+  assert ours["converts"] <= hand["converts"] + 4, (ours, hand)
+
+
+def test_bf16_logits_close_to_f32(tokens):
+  f32 = M.AttentionLM(rngs=nnx.Rngs(0))
+  bf16 = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), MIXED)
+  a = np.asarray(f32(tokens), np.float64)
+  b = np.asarray(bf16(tokens), np.float64)
+  rel = np.mean(np.abs(a - b)) / np.mean(np.abs(a))
+  assert rel <= 1e-2, rel
+  assert rel > 0  # the bf16 path really ran in bf16
+
+
+def test_bad_override_and_policy_raise():
+  model = M.AttentionLM(rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="lm_haed"):
+    apply_policy(model, MIXED, {"*lm_haed*": "f32"})
+  with pytest.raises(ValueError, match="bf17"):
+    apply_policy(model, "p=f32,c=bf17")
+  with pytest.raises(ValueError, match="blocks"):
+    apply_policy(model, MIXED, {"blocks/*": "p=f32,c=nope"})
+  with pytest.raises(ValueError, match="42"):
+    apply_policy(model, MIXED, {42: "f32"})
+
+
+def test_conv_einsum_embed_attend_gradients():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.conv = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+      self.ein = nnx.Einsum("bhwc,cd->bhwd", (4, 5), (5,), rngs=rngs)
+      self.emb = nnx.Embed(7, 5, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.ein(self.conv(x))
+      return self.emb.attend(h)
+
+  net = apply_policy(Net(nnx.Rngs(0)), MIXED)
+  x = jax.random.normal(jax.random.key(0), (2, 6, 6, 3), F32)
+  loss = lambda m, x: jnp.mean(m(x).astype(F32) ** 2)
+  step, state = _loss_and_grads(net, loss, x)
+  report = mp.audit(step, state, x)
+  assert len(report.gemms) == 9
+  assert {(g.lhs_dtype, g.rhs_dtype, g.acc_dtype) for g in report.gemms} == {
+      ("bfloat16", "bfloat16", "float32")}
+  _, grads = step(state, x)
+  assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+  ref = Net(nnx.Rngs(0))
+  assert np.allclose(np.asarray(net(x)), np.asarray(ref(x)), rtol=0.05, atol=0.05)
+
+
+def test_apply_recipe_without_fp8(tokens):
+  model = apply_recipe(M.AttentionLM(rngs=nnx.Rngs(0)), "bf16_master")
+  assert model.blocks[0].up.kernel.get_value().dtype == BF16
+  assert model(tokens).dtype == mp.get_recipe("bf16_master").policy.output_dtype
+  with pytest.raises(ValueError):
+    apply_recipe(model, 3)
