@@ -1,0 +1,247 @@
+"""`data_parallel`: a jitted, donated ZeRO-0/1/2/3 train step over a Mesh, on shard_map."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from precision._recipe import Recipe, get_recipe
+from precision.parallel import _report
+from precision.parallel._collectives import all_gather_flat
+from precision.parallel._layout import ParamLayout, unflatten
+from precision.parallel._step import (
+    ZERO_STAGES, OptimizerHooks, StepConfig, local_init, local_step, plain_optax_hooks,
+    with_standard_promotion)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["params", "opt_state"], meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """What a data-parallel step carries: params, optimizer state and their layout.
+
+  params: full leaves, replicated (stages 0-2), or flat padded leaves of `padded_size`
+    elements sharded over the data axis (stage 3), in the recipe's param dtype.
+  opt_state: the optimizer's state, replicated (stage 0) or built on flat shards, its
+    per-parameter leaves sharded over the data axis (stages 1-3).
+  layout: static shapes/dtypes/shard sizes of the params (see `ParamLayout`).
+  """
+
+  params: Any
+  opt_state: Any
+  layout: ParamLayout
+
+
+def recipe_hooks(recipe: Recipe | str, inner: optax.GradientTransformation, *, seed: int,
+                 axis_name: str | None) -> tuple[optax.GradientTransformation, OptimizerHooks]:
+  """The optimizer a Recipe builds around `inner` (precision.optim) and its step hooks."""
+  from precision import optim  # pylint: disable=g-import-not-at-top  (optional layer)
+
+  tx = optim.build_optimizer(get_recipe(recipe), inner, seed=seed, axis_name=axis_name)
+  return tx, OptimizerHooks(optim.loss_scale_of, optim.apply_updates,
+                            optim.optimizer_metrics)
+
+
+def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices: int,
+                seed: int) -> StepConfig:
+  """Validates the arguments shared by `data_parallel` and `data_parallel_pmap`."""
+  if zero_stage not in ZERO_STAGES:
+    raise ValueError(f"zero_stage={zero_stage!r}; accepted: 0, 1, 2, 3")
+  if not isinstance(tx, optax.GradientTransformation):
+    raise ValueError(f"tx={tx!r}; accepted: an optax.GradientTransformation")
+  if recipe is None:
+    tx = with_standard_promotion(tx)
+    hooks, compute_dtype, reduce_dtype = plain_optax_hooks(), None, None
+  else:
+    recipe = get_recipe(recipe)
+    # Stage 0 updates full, already reduced grads: every rank sees the same values, so no
+    # cross-rank reduction in the optimizer. Stages 1-3 update shards: the finite check
+    # and grad norm must be reduced over the axis so every rank decides alike.
+    tx, hooks = recipe_hooks(recipe, tx, seed=seed,
+                             axis_name=axis_name if zero_stage else None)
+    compute_dtype, reduce_dtype = recipe.policy.compute_dtype, recipe.reduce_dtype
+  return StepConfig(loss_fn=loss_fn, tx=tx, hooks=hooks, zero_stage=zero_stage,
+                    axis_name=axis_name, devices=devices, compute_dtype=compute_dtype,
+                    reduce_dtype=reduce_dtype)
+
+
+def opt_state_specs(cfg: StepConfig, layout: ParamLayout):
+  """PartitionSpec of each optimizer-state leaf: sharded where the leaf is built from the
+  param shards (its shape follows the shard size), replicated otherwise (counters, loss
+  scale). Found by tracing `tx.init` on shards of k and k+1 elements."""
+  if cfg.zero_stage == 0:
+    params = layout.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype))
+    return jax.tree.map(lambda _: P(), jax.eval_shape(cfg.tx.init, params))
+  n, axis = cfg.devices, cfg.axis_name
+
+  def state_shapes(extra):
+    shards = layout.map(lambda lay: jax.ShapeDtypeStruct((n, lay.shard_size + extra), lay.dtype))
+    return jax.eval_shape(jax.vmap(cfg.tx.init, axis_name=axis, axis_size=n), shards)
+
+  def spec(a, b):
+    differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    if not differ:
+      return P()
+    if len(differ) != 1:
+      raise ValueError(f"Optimizer-state leaf of shape {a.shape[1:]} follows the shard size "
+                       "in more than one dimension; accepted: one")
+    return P(*([None] * (differ[0] - 1)), axis)
+
+  return jax.tree.map(spec, state_shapes(0), state_shapes(1))
+
+
+class DataParallel:
+  """A data-parallel (ZeRO stage 0-3) trainer on a Mesh; build it with `data_parallel`.
+
+  Attributes:
+    init: `init(params) -> TrainState`, params a pytree of full floating arrays (numpy or
+      jax, identical on every process); cast to the recipe's param dtype and placed.
+    step: `step(state, batch) -> (state, metrics)`, jitted, `state` donated. `batch` is
+      the GLOBAL batch (leading axis split over the data axis); in multi-process runs
+      build it with `shard_batch`. metrics: f32 "loss" (mean over all devices) plus
+      `precision.optim.optimizer_metrics` when a recipe is given; replicated scalars.
+  """
+
+  def __init__(self, cfg: StepConfig, mesh: Mesh, *, param_dtype, donate: bool):
+    self.cfg, self.mesh, self._param_dtype = cfg, mesh, param_dtype
+    self.zero_stage, self.axis_name = cfg.zero_stage, cfg.axis_name
+    self.step = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+    self._gather = jax.jit(self._full_params)
+
+  # ---- state -----------------------------------------------------------------------
+  def _specs(self, layout: ParamLayout):
+    return (P(self.axis_name) if self.zero_stage == 3 else P(),
+            opt_state_specs(self.cfg, layout))
+
+  def init(self, params) -> TrainState:
+    replicated = NamedSharding(self.mesh, P())
+
+    def place(x):
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x
+      return jax.device_put(np.asarray(x), replicated)
+
+    params = jax.tree.map(place, params)
+    cast = lambda tree: jax.tree.map(
+        lambda x: x.astype(self._param_dtype or x.dtype), tree)
+    layout = ParamLayout.of(jax.eval_shape(cast, params), self.cfg.devices)
+    p_spec, o_spec = self._specs(layout)
+    body = lambda p: local_init(self.cfg, layout, cast(p))
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=(p_spec, o_spec),
+                       check_vma=False)
+    p, o = jax.jit(fn)(params)
+    return TrainState(p, o, layout)
+
+  def _step(self, state: TrainState, batch):
+    layout = state.layout
+    p_spec, o_spec = self._specs(layout)
+    body = lambda p, o, b: local_step(self.cfg, layout, p, o, b)
+    # check_vma=False: replicated outputs are replicated by construction (psum / pmean /
+    # all-gather results, or identical updates of identical replicated inputs).
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(p_spec, o_spec, P(self.axis_name)),
+                       out_specs=(p_spec, o_spec, P()), check_vma=False)
+    params, opt_state, metrics = fn(state.params, state.opt_state, batch)
+    return TrainState(params, opt_state, layout), metrics
+
+  def _full_params(self, state: TrainState):
+    if self.zero_stage != 3:
+      return state.params
+    layout = state.layout
+    red = lambda lay: self.cfg.reduction(lay)._replace(compute_dtype=lay.dtype)
+    body = lambda shards: layout.map(
+        lambda lay, s: unflatten(all_gather_flat(s, red(lay)), lay), shards)
+    return jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis_name), out_specs=P(),
+                         check_vma=False)(state.params)
+
+  def params(self, state: TrainState):
+    """Full params (original shapes, param dtype), replicated on the mesh."""
+    return self._gather(state)
+
+  def shard_batch(self, local_batch):
+    """This process's slice of the global batch -> global arrays split over the data axis
+    (in a single process, the local slice is the global batch)."""
+    sharding = NamedSharding(self.mesh, P(self.axis_name))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)
+
+  # ---- reports ---------------------------------------------------------------------
+  def compile(self, state: TrainState, batch):
+    """The compiled step executable for these argument shapes."""
+    return self.step.lower(state, batch).compile()
+
+  def memory_report(self, state: TrainState, batch) -> _report.MemoryReport:
+    """Per-device memory of one step (see `precision.parallel.MemoryReport`)."""
+    return _report.memory_report(self.compile(state, batch), state, batch,
+                                 zero_stage=self.zero_stage, devices=self.cfg.devices,
+                                 reduce_dtype=self.cfg.reduce_dtype)
+
+  def collective_report(self, state: TrainState, batch, *,
+                        compiled: bool = True) -> _report.CollectiveReport:
+    """Collectives of the step and the bytes each device sends per step.
+
+    compiled=True: the executable this backend runs. XLA's CPU backend widens bf16/f16
+    collectives to f32 (it converts around them), so on CPU they move f32.
+    compiled=False: the program as lowered, before backend passes: the dtypes the step
+    asks for, which backends with native 16-bit collectives (NCCL on GPU) move.
+    """
+    lowered = self.step.lower(state, batch)
+    text = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+    return _report.collective_report(text, self.cfg.devices)
+
+
+def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation,
+                  mesh: Mesh, *, zero_stage: int = 0, recipe: Recipe | str | None = None,
+                  axis_name: str = "data", seed: int = 0, donate: bool = True) -> DataParallel:
+  """Data-parallel training with ZeRO stage 0-3 on `mesh`'s `axis_name` axis (shard_map).
+
+  - stage 0: grads all-reduced (mean); full optimizer state on every device.
+  - stage 1: optimizer state (master, moments) sharded; grads reduce-scattered after the
+    backward pass; each device updates its shard; new params all-gathered.
+  - stage 2: as 1, but each leaf's grad is reduce-scattered inside the backward pass, so
+    no full-size gradient outlives its reduction. Bit-identical to stage 1.
+  - stage 3 (FSDP): params sharded too; gathered in the compute dtype for forward and
+    backward (a bf16 recipe moves bf16); their cotangents reduce-scattered.
+  Leaves are flattened and zero-padded to a multiple of the device count (never refused).
+  The same code runs in one process or many (`jax.distributed`): pass a mesh over
+  `jax.devices()` and global batches from `DataParallel.shard_batch`.
+
+  Args:
+    loss_fn: `loss_fn(params, local_batch) -> scalar` mean loss over the device's slice of
+      the batch. It receives params in the recipe's COMPUTE dtype (unchanged without a
+      recipe) and must accumulate in f32 (the result is cast to f32).
+    tx: the inner optax optimizer. With a recipe it is wrapped by
+      `precision.optim.build_optimizer` (master weights, loss scaling, skipping, moment
+      dtypes). Without one it runs as given and must be elementwise for stages 1-3 (adam,
+      adamw, sgd): a global-norm transform would see only a shard.
+    mesh: a Mesh with an axis named `axis_name`; other axes replicate.
+    zero_stage: 0, 1, 2 or 3.
+    recipe: a Recipe or preset name; sets the param dtype (init casts), the compute dtype,
+      and `reduce_dtype`, the dtype grads are summed in across devices. None: f32-style
+      training in each leaf's own dtype.
+    axis_name: the data axis.
+    seed: the optimizer's stochastic-rounding seed (identical on every rank).
+    donate: donate the state to the step.
+
+  Returns:
+    A `DataParallel` with `init`, `step`, `params`, `shard_batch`, `memory_report`,
+    `collective_report`.
+
+  Examples:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> dp = data_parallel(loss_fn, optax.adamw(1e-3), mesh, zero_stage=1, recipe="bf16_master")
+    >>> state = dp.init(params)
+    >>> state, metrics = dp.step(state, dp.shard_batch(batch))
+  """
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; accepted: "
+                     f"{', '.join(map(str, mesh.axis_names))}")
+  cfg = step_config(loss_fn, tx, zero_stage=zero_stage, recipe=recipe, axis_name=axis_name,
+                    devices=int(mesh.shape[axis_name]), seed=seed)
+  param_dtype = None if recipe is None else get_recipe(recipe).policy.param_dtype
+  return DataParallel(cfg, mesh, param_dtype=param_dtype, donate=donate)
