@@ -26,7 +26,6 @@ from precision.parallel import _collectives as coll
 from precision.parallel._layout import ParamLayout, flatten_pad, own_shard, unflatten
 
 ZERO_STAGES = (0, 1, 2, 3)
-_F32 = np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
