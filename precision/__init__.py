@@ -6,6 +6,7 @@ stochastic rounding, and the subpackages flax, audit, optim, fp8, parallel, chec
 """
 
 from precision import flax
+from precision import checkpoint
 from precision import formats
 from precision import optim
 from precision import ops
@@ -45,6 +46,7 @@ __all__ = [
     "Policy",
     "Recipe",
     "cast_floating",
+    "checkpoint",
     "dtype_name",
     "enable_faithful_rounding",
     "faithful_rounding_enabled",

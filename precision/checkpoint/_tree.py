@@ -1,0 +1,77 @@
+"""Leaf-by-leaf comparison of a restore target with what a checkpoint holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class CheckpointMismatchError(ValueError):
+  """The restore target does not have the checkpoint's structure, shapes or dtypes."""
+
+
+def _key_name(k: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def leaf_path(path: tuple) -> str:
+  """'params/blocks/0/attn/qkv/kernel' for a jax key path (nnx 'value' keys dropped)."""
+  names = [_key_name(k) for k in path]
+  return "/".join(n for n in names if n != "value")
+
+
+def shapes_by_path(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """{leaf path: (shape, dtype)} in flatten order, for arrays, ShapeDtypeStructs or orbax
+  ArrayMetadata leaves (anything with .shape and .dtype)."""
+  out = {}
+  leaves = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+  for path, leaf in leaves:
+    if leaf is None:
+      continue
+    out[leaf_path(path)] = (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
+  return out
+
+
+def first_difference(saved: dict, target: dict, *, compare_dtype: bool = True) -> str | None:
+  """Description of the first leaf (in target order) that differs, or None."""
+  for path, (shape, dtype) in target.items():
+    if path not in saved:
+      return f"leaf '{path}' {shape} {dtype} is in the target but not in the checkpoint"
+    s_shape, s_dtype = saved[path]
+    if s_shape != shape or (compare_dtype and s_dtype != dtype):
+      return (f"leaf '{path}': checkpoint has {s_shape} {s_dtype}, the target expects "
+              f"{shape} {dtype}")
+  for path, (shape, dtype) in saved.items():
+    if path not in target:
+      return f"leaf '{path}' {shape} {dtype} is in the checkpoint but not in the target"
+  return None
+
+
+def config_difference(saved: dict | None, target: dict | None) -> str | None:
+  """First differing field of two model-config dicts, or None."""
+  if saved is None or target is None:
+    return None
+  for key in sorted(set(saved) | set(target)):
+    if saved.get(key) != target.get(key):
+      return f"model config field '{key}': checkpoint {saved.get(key)!r}, target {target.get(key)!r}"
+  return None
+
+
+def to_abstract(tree: Any) -> Any:
+  """ShapeDtypeStructs (keeping any sharding) for the array leaves of `tree`."""
+
+  def one(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      sharding = getattr(x, "sharding", None)
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+
+  return jax.tree.map(one, tree)

@@ -1,0 +1,131 @@
+"""precision.checkpoint: exact round trip, keep-last-K, mismatch errors, recipe conversion."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import precision as mp
+import precision.optim  # noqa: F401
+from precision import checkpoint
+
+INNER = optax.adamw(1e-2)
+
+
+def _tx(recipe):
+  return mp.optim.build_optimizer(recipe, INNER, seed=3)
+
+
+def _params(recipe, d=8):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  p = {"w": jax.random.normal(k1, (d, 4), jnp.float32),
+       "b": jax.random.normal(k2, (4,), jnp.float32)}
+  return mp.get_recipe(recipe).policy.cast_to_param(p)
+
+
+def _trained(recipe, steps=3, d=8):
+  """A state after a few real updates, so master, moments and counters are non-trivial."""
+  recipe = mp.get_recipe(recipe)
+  tx, params = _tx(recipe), _params(recipe, d)
+  opt = tx.init(params)
+  for i in range(steps):
+    grads = jax.tree.map(lambda x: (jnp.ones_like(x) * (0.1 * (i + 1))).astype(x.dtype), params)
+    scale = mp.optim.loss_scale_of(opt)
+    grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * scale).astype(g.dtype), grads)
+    updates, opt = tx.update(grads, opt, params)
+    params = mp.optim.apply_updates(params, updates)
+  rng = jax.random.key_data(jax.random.key(5))
+  return checkpoint.TrainState(params, opt, {}, rng)
+
+
+def _assert_tree_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16_master", "f16_mixed"])
+def test_round_trip_is_exact(tmp_path, name):
+  recipe = mp.get_recipe(name)
+  state = _trained(recipe)
+  checkpoint.save(tmp_path, 7, state, recipe=recipe, model_config={"d": 8},
+                  data={"seed": 1, "step": 7}, extra={"note": "x"})
+  fresh = checkpoint.TrainState(_params(recipe), _tx(recipe).init(_params(recipe)), {},
+                                jax.random.key_data(jax.random.key(0)))
+  r = checkpoint.restore(tmp_path, fresh)
+  _assert_tree_equal(r.state, state)
+  assert type(r.state.opt_state) is type(state.opt_state)
+  assert r.step == 7 and r.recipe == recipe and r.saved_recipe == recipe
+  assert r.data == {"seed": 1, "step": 7} and r.extra == {"note": "x"}
+  assert r.model_config == {"d": 8} and r.converted == ()
+
+
+def test_keeps_last_k_and_restores_a_chosen_step(tmp_path):
+  recipe = mp.get_recipe("fp32")
+  ckpt = checkpoint.Checkpointer(tmp_path, keep=2)
+  states = {}
+  for step in (1, 2, 3):
+    states[step] = _trained(recipe, steps=step)
+    ckpt.save(step, states[step], recipe=recipe)
+  assert ckpt.steps() == [2, 3]
+  _assert_tree_equal(ckpt.restore(states[1], step=2).state, states[2])
+  with pytest.raises(ValueError, match=r"step=1 has no checkpoint.*\[2, 3\]"):
+    ckpt.restore(states[1], step=1)
+  ckpt.close()
+  with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
+    checkpoint.restore(tmp_path / "empty", states[1])
+
+
+def test_mismatch_names_first_differing_leaf_and_config_field(tmp_path):
+  recipe = mp.get_recipe("fp32")
+  checkpoint.save(tmp_path, 1, _trained(recipe), recipe=recipe, model_config={"d": 8})
+  other = _trained(recipe, steps=1, d=6)
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"leaf 'params/w': checkpoint has \(8, 4\) float32, the target "
+                           r"expects \(6, 4\) float32; model config field 'd': checkpoint 8, "
+                           r"target 6"):
+    checkpoint.restore(tmp_path, other, model_config={"d": 6})
+  # Same shapes, different config: still refused, naming the field.
+  with pytest.raises(checkpoint.CheckpointMismatchError, match="field 'd': checkpoint 8"):
+    checkpoint.restore(tmp_path, _trained(recipe, steps=1), model_config={"d": 9})
+  # Right shapes, wrong dtypes (a bf16_master target without saying recipe=): refused.
+  bf = _trained("bf16_master", steps=1)
+  with pytest.raises(checkpoint.CheckpointMismatchError, match="leaf '"):
+    checkpoint.restore(tmp_path, bf)
+  with pytest.raises(ValueError, match="optimizer_for"):
+    checkpoint.restore(tmp_path, bf, recipe=mp.get_recipe("bf16_master"))
+
+
+@pytest.mark.parametrize("src,dst", [("bf16_master", "fp32"), ("bf16_master", "bf16_sr"),
+                                     ("fp32", "bf16_master")])
+def test_cross_recipe_restore_converts_from_the_master(tmp_path, src, dst):
+  src_r, dst_r = mp.get_recipe(src), mp.get_recipe(dst)
+  saved = _trained(src_r)
+  checkpoint.save(tmp_path, 3, saved, recipe=src_r)
+  master = mp.optim.master_params(saved.opt_state, saved.params)
+  target = checkpoint.TrainState(_params(dst_r), _tx(dst_r).init(_params(dst_r)), {},
+                                 saved.rng)
+  r = checkpoint.restore(tmp_path, target, recipe=dst_r, optimizer_for=_tx)
+  assert r.recipe == dst_r and r.saved_recipe == src_r
+  assert any(f"{src} -> {dst}" in n for n in r.converted)
+  assert any("ScaleByAdamState" in n for n in r.converted)
+  # Params: the f32 master rounded to nearest into the target's param dtype.
+  _assert_tree_equal(r.state.params, dst_r.policy.cast_to_param(master))
+  # A target master is the saved f32 view bit for bit; Adam's moments carry over.
+  _assert_tree_equal(mp.optim.master_params(r.state.opt_state, r.state.params)
+                     if dst_r.master_dtype is not None else master, master)
+  find = lambda s: [n for n in jax.tree.leaves(s, is_leaf=lambda x: isinstance(
+      x, optax.ScaleByAdamState)) if isinstance(n, optax.ScaleByAdamState)][0]
+  _assert_tree_equal(find(r.state.opt_state).mu, find(saved.opt_state).mu)
+  # dtypes are what the target recipe's own init gives, and training continues finitely.
+  dtypes = lambda s: [(x.shape, x.dtype) for x in jax.tree.leaves(s)]
+  assert jax.tree.structure(r.state.opt_state) == jax.tree.structure(target.opt_state)
+  assert dtypes(r.state.opt_state) == dtypes(target.opt_state)
+  tx = _tx(dst_r)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), r.state.params)
+  updates, _ = tx.update(grads, r.state.opt_state, r.state.params)
+  new = mp.optim.apply_updates(r.state.params, updates)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(new))
