@@ -8,12 +8,12 @@ reaches every GEMM layer (`nnx.Linear`, `nnx.Embed`) and norm (`nnx.RMSNorm`). L
 are chosen so fp8's default keep-high-precision patterns ("*lm_head*", "*embed*") match.
 
 Numerics inside attention, which has no layer for the policy to reach:
-  * scores q.k^T take q, k in the activation (compute) dtype and stay in f32
-    (`preferred_element_type=f32`, never rounded back): the softmax that follows is an
-    fp32 island (`precision.ops.softmax`), so rounding the scores to bf16 first would only
-    throw bits away;
-  * probabilities are cast to the compute dtype for probs.v, accumulated in f32 and
-    rounded once to the compute dtype (`precision.ops.einsum`);
+  * both attention GEMMs (q.k^T and probs.v) go through `precision.ops.einsum`: operands
+    in the activation (compute) dtype, f32 accumulation, result rounded once to the
+    compute dtype, and the same for their backward GEMMs;
+  * scores are upcast to f32 before the 1/sqrt(head_dim) scale, the causal mask and the
+    softmax (an fp32 island, `precision.ops.softmax`); probabilities are cast back to the
+    compute dtype for probs.v;
   * rotary tables and rotation in f32 (`precision.ops.rotary_embedding`).
 
 Examples:
@@ -159,12 +159,13 @@ class Attention(nnx.Module):
     with jax.numpy_rank_promotion("allow"):
       q_BxTxHxK = ops.rotary_embedding(q_BxTxHxK, pos_T, self.rope_base)
       k_BxTxHxK = ops.rotary_embedding(k_BxTxHxK, pos_T, self.rope_base)
-    # f32 scores (no rounding to the compute dtype): the softmax below is an f32 island.
-    att_BxHxTxT = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK,
-                             preferred_element_type=_F32) * (1.0 / math.sqrt(K))
+    att_BxHxTxT = ops.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK,
+                             compute_dtype=q_BxTxHxK.dtype)
+    # f32 for the scale, mask and softmax: exp and a long sum (the softmax f32 island).
+    att_BxHxTxT = att_BxHxTxT.astype(_F32) * (1.0 / math.sqrt(K))
     causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
     att_BxHxTxT = jnp.where(causal_TxT, att_BxHxTxT, jnp.finfo(_F32).min)
-    probs_BxHxTxT = ops.softmax(att_BxHxTxT, axis=-1)  # f32 exp and normaliser
+    probs_BxHxTxT = ops.softmax(att_BxHxTxT, axis=-1).astype(v_BxTxHxK.dtype)
     y_BxTxHxK = ops.einsum("bhts,bshk->bthk", probs_BxHxTxT, v_BxTxHxK,
                            compute_dtype=v_BxTxHxK.dtype)
     return self.out(y_BxTxHxK.reshape(B, T, D))

@@ -1,0 +1,338 @@
+"""Training a GPT on the embedded corpus under a precision recipe: importable functions.
+
+`train(TrainConfig(...)) -> dict` runs one training run and returns its summary (with
+every step's metrics under "history"); `experiments/train.py` is the CLI over it and the
+sweep calls it once per recipe and seed. One step follows the train-step protocol of
+`precision.optim` (loss scaled in f32, guard unscales/checks/skips inside the optimizer,
+exact rounding into the params) in one jitted function whose params, model state and
+optimizer state are donated.
+
+Reproducibility: everything a step depends on is (params, model_state, opt_state, batch);
+the batch is a pure function of the sampler state (seed, step); stochastic rounding draws
+from (seed, step, element) inside the optimizer state. So N steps straight and N/2 steps +
+checkpoint + restore + N/2 steps give bit-identical states (tests/test_train.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import precision as mp
+import precision.flax  # noqa: F401  (mp.flax)
+import precision.optim  # noqa: F401  (mp.optim)
+from experiments import data as data_lib
+from models import gpt as gpt_lib
+from precision import checkpoint as ckpt_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """One training run.
+
+  Attributes:
+    recipe: preset name of the precision recipe (`precision.get_recipe`).
+    model: preset name of the GPT (`models.gpt.CONFIGS`) or a GPTConfig.
+    steps: total optimizer steps; the learning-rate schedule spans them.
+    batch: sequences per step. seq: tokens per sequence (None: the model's seq_len).
+    lr: peak learning rate of AdamW; warmup: linear warmup steps (None: steps // 10,
+      at most 100), then cosine decay to lr * final_lr_ratio at `steps`.
+    weight_decay: AdamW decoupled weight decay on matrices (not on norm scales).
+    b1, b2: AdamW betas. grad_clip: global-norm clip in f32 (None: off).
+    seed: model init, data order and stochastic-rounding seed.
+    eval_every: validation BPB every this many steps (and at the start and end; 0: only
+      at the end). eval_batches: fixed validation batches of size batch x seq.
+    ckpt_dir: checkpoint directory (None: no checkpoints); save_every: steps between
+      saves (0: only at the end); keep: checkpoints kept; resume: continue from the latest
+      checkpoint in ckpt_dir (a different recipe there is converted).
+    stop_after: stop once this many steps are done (the schedule still spans `steps`),
+      as an interrupted run does.
+    out: JSONL file receiving one line per step (None: no file).
+    corpus_bytes: cap of the embedded corpus (experiments.data).
+    progress: tqdm progress bar on stderr.
+  """
+
+  recipe: str = "fp32"
+  model: str | gpt_lib.GPTConfig = "small"
+  steps: int = 300
+  batch: int = 8
+  seq: int | None = None
+  lr: float = 3e-3
+  warmup: int | None = None
+  final_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float | None = 1.0
+  seed: int = 0
+  eval_every: int = 50
+  eval_batches: int = 4
+  ckpt_dir: str | None = None
+  save_every: int = 0
+  keep: int = 3
+  resume: bool = False
+  stop_after: int | None = None
+  out: str | None = None
+  corpus_bytes: int = data_lib.DEFAULT_MAX_BYTES
+  progress: bool = True
+
+  def __post_init__(self):
+    for name in ("steps", "batch", "eval_batches", "keep"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}; must be >= 1")
+    for name in ("eval_every", "save_every"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}; must be >= 0")
+    if not self.lr > 0:
+      raise ValueError(f"TrainConfig.lr={self.lr!r}; must be > 0")
+    if self.resume and not self.ckpt_dir:
+      raise ValueError("TrainConfig.resume=True needs ckpt_dir")
+
+  @property
+  def warmup_steps(self) -> int:
+    return self.warmup if self.warmup is not None else max(1, min(100, self.steps // 10))
+
+
+def inner_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with warmup + cosine decay (and f32 global-norm clipping) before the recipe."""
+  schedule = inner_schedule(cfg)
+  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                      mask=decay_mask)
+  if cfg.grad_clip is None:
+    return adamw
+  return optax.chain(mp.optim.clip_by_global_norm(cfg.grad_clip), adamw)
+
+
+@dataclasses.dataclass
+class Run:
+  """A model, optimizer and jitted step built for one TrainConfig (no state of its own
+  beyond the graph: the arrays live in a checkpoint.TrainState)."""
+
+  cfg: TrainConfig
+  recipe: mp.Recipe
+  model_config: gpt_lib.GPTConfig
+  seq: int
+  graphdef: Any
+  tx: optax.GradientTransformation
+  step_fn: Any          # jitted (params, model_state, opt_state, tokens) -> (..., metrics)
+  eval_fn: Any          # jitted (params, model_state, tokens) -> f32 mean loss (nats)
+  schedule: Any
+
+
+def optimizer_for(cfg: TrainConfig):
+  """recipe -> the recipe's optimizer around this run's inner AdamW (for conversions)."""
+  return lambda recipe: mp.optim.build_optimizer(recipe, inner_optimizer(cfg), seed=cfg.seed)
+
+
+def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
+  """Builds the model under the recipe, the optimizer and the jitted step; fresh state."""
+  recipe = mp.get_recipe(cfg.recipe)
+  model_config = gpt_lib.get_config(cfg.model)
+  seq = cfg.seq or model_config.seq_len
+  model = gpt_lib.GPT(model_config, rngs=nnx.Rngs(cfg.seed))
+  mp.flax.apply_recipe(model, recipe)
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+  tx = optimizer_for(cfg)(recipe)
+  # Optimizer inits may share one buffer between leaves (e.g. zero counters); the donated
+  # step needs every leaf in its own buffer.
+  opt_state = jax.tree.map(jnp.copy, tx.init(params))
+
+  def loss_of(params, model_state, tokens):
+    model = nnx.merge(graphdef, params, model_state)
+    loss = gpt_lib.loss_fn(model, tokens)
+    return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+  def step(params, model_state, opt_state, tokens):
+    scale = mp.optim.loss_scale_of(opt_state)
+
+    def scaled(p):
+      loss, new_model_state = loss_of(p, model_state, tokens)
+      return loss * scale.astype(jnp.float32), (loss, new_model_state)  # f32 loss x scale
+
+    (_, (loss, new_model_state)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = mp.optim.apply_updates(params, updates)
+    metrics = dict(mp.optim.optimizer_metrics(opt_state))
+    metrics["loss"] = loss
+    return params, new_model_state, opt_state, metrics
+
+  step_fn = jax.jit(step, donate_argnums=(0, 1, 2))
+  eval_fn = jax.jit(lambda p, s, t: loss_of(p, s, t)[0])
+  run = Run(cfg, recipe, model_config, seq, graphdef, tx, step_fn, eval_fn,
+            inner_schedule(cfg))
+  rng = jax.random.key_data(jax.random.key(cfg.seed))
+  return run, ckpt_lib.TrainState(params, opt_state, model_state, rng)
+
+
+def inner_schedule(cfg: TrainConfig):
+  """Learning rate by step: linear warmup from 0, cosine decay to lr * final_lr_ratio."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+      decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.final_lr_ratio)
+
+
+def fingerprint(state: ckpt_lib.TrainState) -> str:
+  """SHA-256 over the bytes (with paths and dtypes) of params, optimizer and model state."""
+  h = hashlib.sha256()
+  tree = {"params": state.params, "opt_state": state.opt_state,
+          "model_state": state.model_state}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    arr = np.asarray(jax.device_get(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype}:{arr.shape}".encode())
+    h.update(arr.tobytes())
+  return h.hexdigest()
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+  """Argument, output, alias and temporary bytes of a compiled step (XLA's analysis)."""
+  ma = compiled.memory_analysis()
+  if ma is None:
+    return {}
+  out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias",
+                                                              "temp")}
+  out["argument_plus_temp"] = out["argument"] + out["temp"]
+  return out
+
+
+def compile_step(run: Run, state: ckpt_lib.TrainState, tokens: np.ndarray):
+  """The step compiled for `state`'s and `tokens`' shapes (AOT; call it like the step)."""
+  return run.step_fn.lower(state.params, state.model_state, state.opt_state,
+                           jnp.asarray(tokens)).compile()
+
+
+def step_once(compiled, state: ckpt_lib.TrainState, tokens: np.ndarray
+              ) -> tuple[ckpt_lib.TrainState, dict[str, float | int]]:
+  """One optimizer step (donates `state`'s arrays); metrics fetched to host."""
+  params, model_state, opt_state, metrics = compiled(
+      state.params, state.model_state, state.opt_state, jnp.asarray(tokens))
+  metrics = {k: _host(v) for k, v in metrics.items()}  # waits for the step
+  return state._replace(params=params, opt_state=opt_state, model_state=model_state), metrics
+
+
+def evaluate(run: Run, state: ckpt_lib.TrainState, val_tokens: np.ndarray) -> float:
+  """Validation bits per byte over the fixed batches."""
+  losses = [float(run.eval_fn(state.params, state.model_state, jnp.asarray(b)))
+            for b in val_tokens]
+  return data_lib.bits_per_byte(float(np.mean(losses)))
+
+
+def _host(x) -> float | int:
+  v = np.asarray(jax.device_get(x))
+  return int(v) if np.issubdtype(v.dtype, np.integer) else float(v)
+
+
+def _truncate_log(path: str, last_step: int) -> None:
+  """Keeps the JSONL records of steps <= last_step (a resumed run rewrites the rest)."""
+  try:
+    with open(path) as f:
+      lines = [line for line in f if line.strip()]
+  except FileNotFoundError:
+    return
+  kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+  with open(path, "w") as f:
+    f.writelines(kept)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+  """Trains one run; returns the summary dict (per-step records under "history").
+
+  Summary keys: recipe, model, params, steps, start_step, batch, seq, final_loss,
+  final_val_bpb, val_bpb ([[step, bpb], ...]), tokens_per_s (median over timed steps),
+  step_time_s, compile_s, memory (compiled step: argument/output/alias/temp bytes and
+  argument_plus_temp), skipped_steps, nonfinite_steps, loss_scale, fingerprint,
+  converted (notes of a cross-recipe resume), corpus, history.
+  """
+  corpus = data_lib.load_corpus(cfg.corpus_bytes)
+  run, state = init_state(cfg)
+  sampler = data_lib.init_sampler(cfg.seed)
+  start, converted = 0, ()
+  ckpt = ckpt_lib.Checkpointer(cfg.ckpt_dir, keep=cfg.keep) if cfg.ckpt_dir else None
+  if cfg.resume and ckpt is not None and ckpt.latest_step() is not None:
+    restored = ckpt.restore(state, recipe=run.recipe, model_config=run.model_config.to_dict(),
+                            optimizer_for=optimizer_for(cfg))
+    state, start, converted = restored.state, restored.step, restored.converted
+    sampler = data_lib.SamplerState(**restored.data)
+  val_tokens = data_lib.validation_batches(corpus.validation, cfg.eval_batches, cfg.batch,
+                                           run.seq)
+  tokens0, _ = data_lib.sample_batch(corpus.train, sampler, cfg.batch, run.seq)
+  t0 = time.perf_counter()
+  compiled = compile_step(run, state, tokens0)
+  compile_s = time.perf_counter() - t0
+  memory = compiled_memory(compiled)
+  last = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+  history, val_curve, times = [], [], []
+  if cfg.out and start > 0:
+    _truncate_log(cfg.out, start)  # drop records of steps after the restored checkpoint
+  out = open(cfg.out, "a" if start > 0 else "w") if cfg.out else None
+  bar = None
+  if cfg.progress:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=last, initial=start, file=sys.stderr, desc=cfg.recipe, leave=False)
+
+  def emit(rec):
+    history.append(rec)
+    if out is not None:
+      out.write(json.dumps(rec) + "\n")
+      out.flush()
+
+  if start == 0 and cfg.eval_every:
+    val_curve.append([0, evaluate(run, state, val_tokens)])
+    emit({"step": 0, "val_bpb": val_curve[-1][1]})
+  metrics = None
+  try:
+    for step in range(start, last):
+      tokens, sampler = data_lib.sample_batch(corpus.train, sampler, cfg.batch, run.seq)
+      t = time.perf_counter()
+      state, metrics = step_once(compiled, state, tokens)
+      dt = time.perf_counter() - t
+      times.append(dt)
+      done = step + 1
+      rec = {"step": done, "lr": float(run.schedule(step)), **metrics,
+             "tokens_per_s": cfg.batch * run.seq / dt}
+      if (cfg.eval_every and done % cfg.eval_every == 0) or done == last:
+        rec["val_bpb"] = evaluate(run, state, val_tokens)
+        val_curve.append([done, rec["val_bpb"]])
+      emit(rec)
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+      if ckpt is not None and ((cfg.save_every and done % cfg.save_every == 0) or done == last):
+        ckpt.save(done, state, recipe=run.recipe, model_config=run.model_config.to_dict(),
+                  data=sampler, extra={"train_config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                                          if k != "model"}})
+  finally:
+    if bar is not None:
+      bar.close()
+    if out is not None:
+      out.close()
+    if ckpt is not None:
+      ckpt.close()
+  timed = times[1:] or times
+  step_time = float(np.median(timed)) if timed else float("nan")
+  return {
+      "recipe": run.recipe.name,
+      "model": cfg.model if isinstance(cfg.model, str) else run.model_config.to_dict(),
+      "params": int(sum(x.size for x in jax.tree.leaves(state.params))),
+      "steps": last, "start_step": start, "batch": cfg.batch, "seq": run.seq,
+      "final_loss": metrics["loss"] if metrics else None,
+      "final_val_bpb": val_curve[-1][1] if val_curve else None, "val_bpb": val_curve,
+      "tokens_per_s": cfg.batch * run.seq / step_time if timed else None,
+      "step_time_s": step_time, "compile_s": compile_s, "memory": memory,
+      "skipped_steps": metrics["skipped_steps"] if metrics else 0,
+      "nonfinite_steps": metrics["nonfinite_steps"] if metrics else 0,
+      "loss_scale": metrics["loss_scale"] if metrics else None,
+      "fingerprint": fingerprint(state), "converted": list(converted),
+      "corpus": corpus.describe(), "history": history,
+  }
