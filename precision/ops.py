@@ -60,7 +60,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, where: jax.Array | None 
   nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
   if where is None:
     return jnp.mean(nll)
-  w = where.astype(_F32)
+  w = jnp.broadcast_to(where, nll.shape).astype(_F32)
   return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
@@ -92,6 +92,7 @@ def rotary_tables(positions: jax.Array, head_dim: int, base: float = 10000.0):
   if head_dim % 2:
     raise ValueError(f"rotary head_dim must be even, got {head_dim}")
   inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=_F32) / head_dim))
+  inv_freq = inv_freq.reshape((1,) * positions.ndim + (-1,))
   angles = positions.astype(_F32)[..., None] * inv_freq  # f32: position * freq is large
   return jnp.sin(angles), jnp.cos(angles)
 
@@ -105,6 +106,9 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) 
   sin, cos = sin[..., None, :], cos[..., None, :]  # broadcast over heads
   xf = x.astype(_F32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
+  # Explicit broadcast (rank promotion may be set to "raise"): tables [..., T, 1, D/2].
+  sin = jnp.broadcast_to(sin.reshape((1,) * (x1.ndim - sin.ndim) + sin.shape), x1.shape)
+  cos = jnp.broadcast_to(cos.reshape((1,) * (x1.ndim - cos.ndim) + cos.shape), x1.shape)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
 

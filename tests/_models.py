@@ -15,6 +15,7 @@ library (no precision.ops), used for the bit-identity gates.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import flax.linen as nn
@@ -132,6 +133,15 @@ def mlp_loss(model, x, y):
 # ----------------------------------------------------------------------------- Linen
 
 
+def _linen_gemm_kwargs(handwritten):
+  # Linen's Dense has no preferred_element_type field: hand-written code passes it through
+  # its dot_general.
+  if handwritten is None:
+    return {}
+  return dict(dtype=handwritten, param_dtype=F32,
+              dot_general=functools.partial(jax.lax.dot_general, preferred_element_type=F32))
+
+
 class LinenMLP(nn.Module):
   d_hidden: int = 32
   d_out: int = 8
@@ -139,7 +149,7 @@ class LinenMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    kw = _gemm_kwargs(self.handwritten)
+    kw = _linen_gemm_kwargs(self.handwritten)
     norm_kw = {} if self.handwritten is None else dict(dtype=self.handwritten, param_dtype=F32)
     h = _act(nn.Dense(self.d_hidden, name="up", **kw)(x), self.handwritten)
     h = jax.nn.gelu(nn.LayerNorm(name="norm", **norm_kw)(h))
@@ -155,7 +165,7 @@ class LinenBlock(nn.Module):
   def __call__(self, x):
     b, t, d = x.shape
     hw = self.handwritten
-    kw = dict(use_bias=False, **_gemm_kwargs(hw))
+    kw = dict(use_bias=False, **_linen_gemm_kwargs(hw))
     norm_kw = {} if hw is None else dict(dtype=hw, param_dtype=F32)
     h = nn.RMSNorm(name="norm1", **norm_kw)(x)
     qkv = _act(nn.Dense(3 * d, name="qkv", **kw)(h), hw).reshape(b, t, 3, self.heads, d // self.heads)
@@ -181,7 +191,7 @@ class LinenAttentionLM(nn.Module):
     for i in range(self.n_layers):
       x = LinenBlock(self.d, self.heads, hw, name=f"block{i}")(x)
     x = nn.RMSNorm(name="norm", **emb_kw)(x)
-    return nn.Dense(self.vocab, use_bias=False, name="lm_head", **_gemm_kwargs(hw))(x)
+    return nn.Dense(self.vocab, use_bias=False, name="lm_head", **_linen_gemm_kwargs(hw))(x)
 
 
 # ----------------------------------------------------------------------------- HLO counts

@@ -13,8 +13,8 @@ from jax.extend import core as jex_core
 
 GEMM_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 # Reductions that add (or multiply) many terms: rounding error grows with their length.
-ACCUMULATING = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "psum",
-                "scatter-add", "scatter_add", "reduce_precision_sum")
+ACCUMULATING = ("reduce_sum", "reduce_prod", "reduce", "cumsum", "cumprod", "cumlogsumexp",
+                "psum", "scatter-add", "scatter_add")
 # Reductions that select a value: exact in any dtype, reported but never a violation.
 SELECTING = ("reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin", "pmax",
              "pmin", "reduce_and", "reduce_or")
@@ -79,9 +79,15 @@ def _is_library(path: str) -> bool:
 
 
 def _location(frames) -> str:
+  """The innermost user frame; JAX keeps only the innermost ~10 frames of a traceback, so
+  for deeply nested calls fall back to the innermost frame outside jax/jaxlib."""
+  fmt = lambda f: f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"
   for f in frames:  # innermost first
     if not _is_library(f.file_name) and "/contextlib.py" not in f.file_name:
-      return f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"
+      return fmt(f)
+  for f in frames:
+    if not any(d in f.file_name for d in _PKG_DIRS[:2]):
+      return fmt(f)
   return ""
 
 
@@ -161,7 +167,9 @@ def walk(jaxpr, mult: int = 1, acc: Walk | None = None) -> Walk:
   acc = acc or Walk([], [], [], {}, False)
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    subs = _subjaxprs(eqn)
+    # A generic `reduce` (lax.reduce with a non-standard init) holds its combiner as a
+    # jaxpr: record it as an accumulating reduction instead of walking the combiner.
+    subs = [] if name == "reduce" else _subjaxprs(eqn)
     if subs:
       if name == "while":
         acc = acc._replace(has_while=True)

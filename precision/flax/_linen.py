@@ -19,7 +19,8 @@ call is intercepted and the layer runs under the policy that applies to its path
 
 Linen modules are frozen dataclasses; the interceptor sets the layer's dtype fields on the
 bound instance for the duration of the one call and restores them afterwards (the bound
-instance is private to this apply/init).
+instance is private to this apply/init). Linen already names each module in JAX's name
+stack ("Model/lm_head"), so `precision.audit` attributes GEMMs to Linen paths as well.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from precision.flax._nnx import promote_keep_kernel
 
 _F32 = np.dtype(np.float32)
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm, nn.InstanceNorm)
+_LAYERS = (nn.Dense, nn.DenseGeneral, nn.linear._Conv, nn.Einsum, nn.Embed) + _NORMS
 
 
 def _promote_keep_kernel_linen(*args, dtype=None, inexact=True):
@@ -103,6 +105,10 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
 
   def interceptor(next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
+    if method == "setup" and isinstance(module, _LAYERS):
+      # setup-style layers (Embed) create their params here.
+      with _fields(module, param_dtype=policy_of(module).param_dtype):
+        return next_fun(*args, **kwargs)
     if method not in ("__call__", "attend"):
       return next_fun(*args, **kwargs)
     path = _module_path(module)
@@ -112,11 +118,11 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
     pol = policy_of(module)
     c, p = pol.compute_dtype, pol.param_dtype
     if isinstance(module, (nn.Dense, nn.DenseGeneral)):
-      with _fields(module, dtype=c, param_dtype=p, dot_general=PolicyDotGeneral(c, scope),
+      with _fields(module, dtype=c, param_dtype=p, dot_general=PolicyDotGeneral(c),
                    dot_general_cls=None, promote_dtype=_promote_keep_kernel_linen):
         out = next_fun(*args, **kwargs)
     elif isinstance(module, nn.linear._Conv):
-      with _fields(module, dtype=c, param_dtype=p, conv_general_dilated=PolicyConv(c, scope),
+      with _fields(module, dtype=c, param_dtype=p, conv_general_dilated=PolicyConv(c),
                    conv_general_dilated_cls=None, promote_dtype=_promote_keep_kernel_linen):
         out = next_fun(*args, **kwargs)
     elif isinstance(module, nn.Einsum):
@@ -126,7 +132,7 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
       if method == "attend":
         (query,) = args
         table = module.embedding
-        return PolicyDotGeneral(c, scope)(query, table.T,
+        return PolicyDotGeneral(c)(query, table.T,
                                           (((query.ndim - 1,), (0,)), ((), ())))
       # Lookup in the param dtype, then cast: the gradient scatter-add stays in param dtype.
       with _fields(module, dtype=p, param_dtype=p):
@@ -135,7 +141,9 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
       if f32_norms and args:
         x = args[0]
         args = (x.astype(_F32),) + tuple(args[1:])  # f32 statistics and normalisation
-      with _fields(module, dtype=c, param_dtype=p):
+      # dtype=f32: statistics, rsqrt, scale and shift in f32 (flax's dtype=bf16 path mixes
+      # bf16 inputs with f32 statistics); the result is rounded once to the compute dtype.
+      with _fields(module, dtype=_F32 if f32_norms else c, param_dtype=p):
         if p == _F32:
           out = next_fun(*args, **kwargs)
         else:
@@ -143,6 +151,7 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
           # a cast, which strict promotion rejects; standard promotion keeps it in f32.
           with jax.numpy_dtype_promotion("standard"):
             out = next_fun(*args, **kwargs)
+      out = out.astype(c)
     else:
       out = next_fun(*args, **kwargs)
     if not path and method == "__call__":
