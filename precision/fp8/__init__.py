@@ -1,0 +1,68 @@
+"""fp8 training: E4M3/E5M2 GEMMs with current, delayed, per-channel and block scaling.
+
+An fp8 `dot_general` with a custom VJP (forward operands in E4M3, the incoming gradient in
+E5M2, every GEMM on fp8 operands with f32 accumulation), its scaling recipes, the scaling
+state as NNX Variables (`Fp8State`, `Fp8GradState`) or Linen collections, `apply_fp8` to
+route a model's Linear/Einsum GEMMs through it, `value_and_grad` to carry the gradient
+operand's state out of a step, `fp8_metrics` and `sync_fp8_state`.
+
+Examples:
+  >>> import jax.numpy as jnp, precision as mp
+  >>> from flax import nnx
+  >>> recipe = mp.get_recipe("fp8_hybrid")
+  >>> mlp = nnx.Sequential(nnx.Linear(8, 16, use_bias=False, rngs=nnx.Rngs(0)),
+  ...                     nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(1)))
+  >>> _ = mp.fp8.apply_fp8(mlp, recipe.fp8, recipe.policy)
+  >>> mlp(jnp.ones((2, 8))).dtype
+  dtype(bfloat16)
+"""
+
+from precision.fp8._dot import Fp8DotState
+from precision.fp8._dot import Fp8Spec
+from precision.fp8._dot import fp8_dot_general
+from precision.fp8._dot import scaled_matmul
+from precision.fp8._linen import GRAD_COLLECTION
+from precision.fp8._linen import STATE_COLLECTION
+from precision.fp8._linen import LinenFp8DotGeneral
+from precision.fp8._linen import merge_fp8_grad_state
+from precision.fp8._metrics import fp8_metrics
+from precision.fp8._metrics import sync_fp8_state
+from precision.fp8._nnx import Fp8DotGeneral
+from precision.fp8._nnx import Fp8Einsum
+from precision.fp8._nnx import Fp8GradState
+from precision.fp8._nnx import Fp8State
+from precision.fp8._nnx import apply_fp8
+from precision.fp8._nnx import einsum_dimension_numbers
+from precision.fp8._nnx import fp8_modules
+from precision.fp8._nnx import update_fp8_grad_state
+from precision.fp8._nnx import value_and_grad
+from precision.fp8._scaling import OperandRecipe
+from precision.fp8._scaling import OperandState
+from precision.fp8._scaling import quantize
+from precision.fp8._scaling import scale_from_amax
+
+__all__ = [
+    "Fp8DotGeneral",
+    "Fp8DotState",
+    "Fp8Einsum",
+    "Fp8GradState",
+    "Fp8Spec",
+    "Fp8State",
+    "GRAD_COLLECTION",
+    "LinenFp8DotGeneral",
+    "OperandRecipe",
+    "OperandState",
+    "STATE_COLLECTION",
+    "apply_fp8",
+    "einsum_dimension_numbers",
+    "fp8_dot_general",
+    "fp8_metrics",
+    "fp8_modules",
+    "merge_fp8_grad_state",
+    "quantize",
+    "scale_from_amax",
+    "scaled_matmul",
+    "sync_fp8_state",
+    "update_fp8_grad_state",
+    "value_and_grad",
+]

@@ -1,0 +1,82 @@
+"""fp8 GEMMs for Flax Linen: a dot_general module keeping its state in two collections.
+
+``"fp8_state"`` holds the forward operands' state; apply with ``mutable=["fp8_state"]``
+to carry its update out of the step. ``"fp8_grad_state"`` holds the gradient operand's
+state, which (as in Flax's fp8_ops) is updated through its cotangent: differentiate with
+respect to that collection too and store the result with `merge_fp8_grad_state`.
+
+Examples:
+  >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, precision as mp
+  >>> dense = nn.Dense(4, dot_general_cls=functools.partial(
+  ...     mp.fp8.LinenFp8DotGeneral, config=mp.Fp8Config(scaling="delayed")))
+  >>> variables = dense.init(jax.random.key(0), jnp.ones((2, 8)))
+  >>> sorted(variables)
+  ['fp8_grad_state', 'fp8_state', 'params']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from precision._recipe import Fp8Config
+from precision.fp8 import _scaling as sc
+from precision.fp8._dot import OPERANDS, Fp8DotState, Fp8Spec, fp8_dot_general
+
+STATE_COLLECTION = "fp8_state"
+GRAD_COLLECTION = "fp8_grad_state"
+
+
+class LinenFp8DotGeneral(nn.Module):
+  """`lax.dot_general`-compatible fp8 GEMM for Linen (``nn.Dense(dot_general_cls=...)``).
+
+  Attributes:
+    config: the fp8 settings.
+    compute_dtype: output dtype (default: the lhs dtype); `preferred_element_type` wins.
+    scaling: per-operand override of config.scaling (see `Fp8Spec.from_config`).
+  """
+
+  config: Fp8Config = Fp8Config()
+  compute_dtype: Any = None
+  scaling: Any = None
+
+  @nn.compact
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               **unused_kwargs):
+    del precision, unused_kwargs  # fp8 operands, f32 accumulation: nothing to choose
+    spec = Fp8Spec.from_config(self.config, self.scaling)
+    init = spec.init_state()
+    variables = {}
+    for op in OPERANDS:
+      col = GRAD_COLLECTION if op == "grad" else STATE_COLLECTION
+      variables[op] = [self.variable(col, f"{op}_{field}", lambda v=v: v)
+                       for field, v in zip(sc.OperandState._fields, getattr(init, op))]
+    state = Fp8DotState(*(sc.OperandState(*(v.value for v in variables[op])) for op in OPERANDS))
+    out, new = fp8_dot_general(lhs, rhs, dimension_numbers, state, spec,
+                               out_dtype=preferred_element_type or self.compute_dtype)
+    if self.is_mutable_collection(STATE_COLLECTION) and not self.is_initializing():
+      for op in ("lhs", "rhs"):
+        for var, value in zip(variables[op], getattr(new, op)):
+          var.value = value
+    return out
+
+
+def merge_fp8_grad_state(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+  """New ``fp8_grad_state`` collection from the old one and its cotangent `new`.
+
+  Where a GEMM took part in the differentiated computation its cotangent is the new state;
+  elsewhere (zero cotangent, scale 0: never a real scale) the old state is kept.
+  """
+  out = {}
+  for key, value in old.items():
+    if isinstance(value, Mapping) and "grad_scale" not in value:
+      out[key] = merge_fp8_grad_state(value, new[key])
+    elif isinstance(value, Mapping):
+      used = new[key]["grad_scale"] > 0
+      out[key] = {f: jnp.where(used, new[key][f], v) for f, v in value.items()}
+    else:
+      raise ValueError(f"merge_fp8_grad_state: {key!r} is not a module's fp8 grad state; "
+                       "accepted: the 'fp8_grad_state' collection of a Linen model")
+  return out

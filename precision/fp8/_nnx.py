@@ -1,0 +1,255 @@
+"""fp8 GEMMs for Flax NNX: the state Variables, the dot_general module, apply_fp8.
+
+State flow (no host sync; everything is an output of the jitted step):
+
+* forward operands (lhs, rhs): `Fp8DotGeneral.__call__` writes their new amax history,
+  scale and counters into its `Fp8State` Variables; nnx.jit / nnx.grad / split-merge
+  carry the mutation out of the step like any other NNX state (BatchStat-style).
+* the incoming gradient exists only in the backward pass, and the only way out of a
+  backward pass is a cotangent. As Flax's `fp8_ops` does (its OVERWRITE_WITH_GRADIENT
+  collection), the gradient operand's state is an *input* of the custom VJP whose
+  "gradient" is its new value. Those Variables have the type `Fp8GradState`; differentiate
+  with respect to them and store the result instead of stepping it with the optimizer:
+  `precision.fp8.value_and_grad` does both. We keep the forward state out of that trick
+  (unlike Flax, which routes all six arrays through gradients) so that an ordinary forward
+  pass -- evaluation, or a caller that forgets the gradient state -- still updates it.
+
+Examples:
+  >>> import jax.numpy as jnp, precision as mp
+  >>> from flax import nnx
+  >>> layer = nnx.Linear(8, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  >>> _ = mp.fp8.apply_fp8(layer, mp.Fp8Config(scaling="current"), mp.get_policy("p=f32,c=bf16"))
+  >>> loss = lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2)
+  >>> value, grads = mp.fp8.value_and_grad(loss)(layer, jnp.ones((2, 8)))
+  >>> m = mp.fp8.fp8_metrics(layer)  # a root layer: keys without a path prefix
+  >>> int(m["fp8/gemms"]), float(m["grad_amax"]) > 0, float(m["fp8/saturated"])
+  (1, True, 0.0)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import opt_einsum
+from flax import nnx
+
+from precision._policy import Policy
+from precision._recipe import Fp8Config
+from precision.fp8 import _scaling as sc
+from precision.fp8._dot import OPERANDS, Fp8DotState, Fp8Spec, fp8_dot_general
+
+STATE_FIELDS = sc.OperandState._fields  # amax_history, scale, saturated, underflowed
+
+
+class Fp8State(nnx.Variable):
+  """fp8 scaling state of a forward GEMM operand (amax history, scale, counters), f32.
+
+  Saved with the model (``nnx.state(model, Fp8State)`` also selects `Fp8GradState`).
+  """
+
+
+class Fp8GradState(Fp8State):
+  """fp8 scaling state of the gradient operand; updated through its cotangent (see module
+  docstring and `value_and_grad`), never by an optimizer."""
+
+
+class Fp8DotGeneral(nnx.Module):
+  """A `lax.dot_general`-compatible fp8 GEMM holding its scaling state.
+
+  Assign it to a layer's `dot_general` (`apply_fp8` does). Variables: for op in lhs, rhs
+  (`Fp8State`) and grad (`Fp8GradState`): ``{op}_amax_history`` [L], ``{op}_scale``,
+  ``{op}_saturated``, ``{op}_underflowed`` (f32 scalars).
+
+  Args:
+    config: formats, scaling recipe, history, margin, blocks (`precision.Fp8Config`).
+    policy: its compute dtype is the output dtype (default: the lhs dtype); a
+      `preferred_element_type` passed by the layer wins.
+    scaling: per-operand override of `config.scaling` (see `Fp8Spec.from_config`).
+  """
+
+  def __init__(self, config: Fp8Config, policy: Policy | None = None, *,
+               scaling: str | Mapping[str, str] | None = None):
+    self.config = config
+    self.spec = Fp8Spec.from_config(config, scaling)
+    self.out_dtype = None if policy is None else policy.compute_dtype
+    init = self.spec.init_state()
+    for op in OPERANDS:
+      kind = Fp8GradState if op == "grad" else Fp8State
+      for field, value in zip(STATE_FIELDS, getattr(init, op)):
+        setattr(self, f"{op}_{field}", kind(value))
+
+  def _operand_state(self, op: str) -> sc.OperandState:
+    return sc.OperandState(*(getattr(self, f"{op}_{f}")[...] for f in STATE_FIELDS))
+
+  def _store(self, op: str, st: sc.OperandState) -> None:
+    for field, value in zip(STATE_FIELDS, st):
+      getattr(self, f"{op}_{field}")[...] = value
+
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+               precision: Any = None, preferred_element_type: Any = None,
+               out_sharding: Any = None) -> jax.Array:
+    # `precision` does not apply: the operands are fp8 and the accumulation f32.
+    # `out_sharding` is left to the partitioner (the result keeps the operands' sharding).
+    del precision, out_sharding
+    out_dtype = preferred_element_type or self.out_dtype
+    state = Fp8DotState(*(self._operand_state(op) for op in OPERANDS))
+    out, new = fp8_dot_general(lhs, rhs, dimension_numbers, state, self.spec,
+                               out_dtype=out_dtype)
+    self._store("lhs", new.lhs)
+    self._store("rhs", new.rhs)
+    return out
+
+  def update_grad_state(self, new: Mapping[str, jax.Array]) -> None:
+    """Stores the gradient-operand state found in `new` (field name -> array, as the
+    cotangents of this module's `Fp8GradState` Variables). A module that took no part in
+    the differentiated computation gets zero cotangents (scale 0, never a real scale):
+    its state is kept."""
+    used = new["scale"] > 0
+    for field in STATE_FIELDS:
+      var = getattr(self, f"grad_{field}")
+      var[...] = jnp.where(used, new[field], var[...])
+
+
+def einsum_dimension_numbers(eqn: str, lhs_shape, rhs_shape):
+  """Parses a two-operand einsum into dot_general terms.
+
+  Returns (dimension_numbers, lhs_sum_axes, rhs_sum_axes, out_perm): sum the lhs/rhs over
+  the given axes (letters in one operand only and absent from the output), dot_general,
+  then transpose by out_perm. Raises ValueError for a letter repeated within one operand
+  (a diagonal) or an output letter found in neither operand.
+  """
+  ins, out, _ = opt_einsum.parser.parse_einsum_input(
+      (eqn, jax.ShapeDtypeStruct(lhs_shape, jnp.float32),
+       jax.ShapeDtypeStruct(rhs_shape, jnp.float32)))
+  ls, rs = ins.split(",")
+  for s in (ls, rs):
+    if len(set(s)) != len(s):
+      raise ValueError(f"fp8 einsum {eqn!r}: repeated index in operand {s!r}; accepted: "
+                       "each index at most once per operand")
+  if set(out) - set(ls) - set(rs):
+    raise ValueError(f"fp8 einsum {eqn!r}: output indices {sorted(set(out) - set(ls) - set(rs))}"
+                     " appear in no operand")
+  lsum = tuple(i for i, c in enumerate(ls) if c not in rs and c not in out)
+  rsum = tuple(i for i, c in enumerate(rs) if c not in ls and c not in out)
+  ls = "".join(c for i, c in enumerate(ls) if i not in lsum)
+  rs = "".join(c for i, c in enumerate(rs) if i not in rsum)
+  batch = [c for c in ls if c in rs and c in out]
+  contract = [c for c in ls if c in rs and c not in out]
+  dn = ((tuple(ls.index(c) for c in contract), tuple(rs.index(c) for c in contract)),
+        (tuple(ls.index(c) for c in batch), tuple(rs.index(c) for c in batch)))
+  result = batch + [c for c in ls if c not in rs] + [c for c in rs if c not in ls]
+  return dn, lsum, rsum, tuple(result.index(c) for c in out)
+
+
+class Fp8Einsum(nnx.Module):
+  """A `jnp.einsum`-compatible fp8 GEMM for `nnx.Einsum.einsum_op` (two operands, the
+  second the kernel). Its state lives in the child `dot` (an `Fp8DotGeneral`)."""
+
+  def __init__(self, config: Fp8Config, policy: Policy | None = None, *,
+               scaling: str | Mapping[str, str] | None = None):
+    self.dot = Fp8DotGeneral(config, policy, scaling=scaling)
+
+  def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
+               preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
+    dn, lsum, rsum, perm = einsum_dimension_numbers(eqn, lhs.shape, rhs.shape)
+    if lsum:  # summed-out indices are reduced in f32 and rounded back once
+      lhs = jnp.sum(lhs, axis=lsum, dtype=jnp.float32).astype(lhs.dtype)
+    if rsum:
+      rhs = jnp.sum(rhs, axis=rsum, dtype=jnp.float32).astype(rhs.dtype)
+    out = self.dot(lhs, rhs, dn, precision, preferred_element_type, out_sharding)
+    return jnp.transpose(out, perm)
+
+
+def _path_name(path) -> str:
+  return "/".join(str(p) for p in path)
+
+
+def apply_fp8(module: nnx.Module, config: Fp8Config, policy: Policy | None = None, *,
+              scaling: str | Mapping[str, str] | None = None) -> nnx.Module:
+  """Routes the GEMMs of `module` through fp8, in place; returns `module`.
+
+  Every nnx.Linear / nnx.LinearGeneral gets an `Fp8DotGeneral` as its `dot_general`, every
+  nnx.Einsum an `Fp8Einsum` as its `einsum_op`, unless its path ("blocks/0/attn/q")
+  matches a pattern of `config.keep_high_precision` (fnmatch, case-sensitive; default
+  "*lm_head*", "*embed*"), which keeps the layer's current GEMM (e.g. the policy's bf16
+  dot_general set by `precision.flax.apply_policy`). Layers already in fp8 are left as
+  they are, so applying twice changes nothing.
+
+  Args:
+    module: an NNX module.
+    config: the fp8 settings (`recipe.fp8`).
+    policy: the recipe's policy; its compute dtype is the GEMMs' output dtype.
+    scaling: per-operand scaling override (see `Fp8Spec.from_config`).
+  """
+  if not isinstance(config, Fp8Config):
+    raise ValueError(f"apply_fp8 config={config!r}; accepted: a precision.Fp8Config")
+  targets = []
+  for path, layer in nnx.iter_modules(module):
+    name = _path_name(path)
+    if any(fnmatch.fnmatchcase(name, pat) for pat in config.keep_high_precision):
+      continue
+    if isinstance(layer, (nnx.Linear, nnx.LinearGeneral)):
+      if not isinstance(layer.dot_general, Fp8DotGeneral):
+        targets.append(("dot_general", layer))
+    elif isinstance(layer, nnx.Einsum) and not isinstance(layer.einsum_op, Fp8Einsum):
+      targets.append(("einsum_op", layer))
+  for attr, layer in targets:
+    if attr == "dot_general":
+      if isinstance(layer, nnx.LinearGeneral):
+        layer.dot_general_cls = None  # it would take precedence over dot_general
+      layer.dot_general = nnx.data(Fp8DotGeneral(config, policy, scaling=scaling))
+    else:
+      layer.einsum_op = nnx.data(Fp8Einsum(config, policy, scaling=scaling))
+  return module
+
+
+def fp8_modules(module: nnx.Module) -> list[tuple[str, Fp8DotGeneral]]:
+  """(layer path, Fp8DotGeneral) for every fp8 GEMM in `module`, in graph order. The path
+  is the layer's ("blocks/0/mlp/up"), without the "/dot_general" or "/einsum_op/dot"."""
+  out = []
+  for path, m in nnx.iter_modules(module):
+    if isinstance(m, Fp8DotGeneral):
+      name = _path_name(path)
+      for suffix in ("/einsum_op/dot", "/dot_general", "einsum_op/dot", "dot_general"):
+        if name.endswith(suffix):
+          name = name[: -len(suffix)]
+          break
+      out.append((name, m))
+  return out
+
+
+def update_fp8_grad_state(module: nnx.Module, grads: nnx.State) -> nnx.State:
+  """Stores the `Fp8GradState` "gradients" found in `grads` into `module` (in place) and
+  returns the other gradients. `grads` comes from differentiating with respect to
+  ``nnx.Any(nnx.Param, precision.fp8.Fp8GradState)``."""
+  flat = {tuple(path): var for path, var in nnx.to_flat_state(grads)}
+  for path, m in nnx.iter_modules(module):
+    if isinstance(m, Fp8DotGeneral):
+      keys = [tuple(path) + (f"grad_{f}",) for f in STATE_FIELDS]
+      if all(k in flat for k in keys):
+        m.update_grad_state({f: flat[k][...] for f, k in zip(STATE_FIELDS, keys)})
+  return nnx.filter_state(grads, nnx.Not(Fp8GradState))
+
+
+def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+  """`nnx.value_and_grad` of ``fn(model, *args)`` for models with fp8 GEMMs.
+
+  Differentiates with respect to the model's nnx.Param *and* its Fp8GradState, writes the
+  new gradient-operand scaling state into the model and returns ``(value, param_grads)``
+  exactly as ``nnx.value_and_grad(fn, has_aux=has_aux)`` would. Use it inside nnx.jit (or
+  split/merge under jax.jit) like the plain one; a model without fp8 GEMMs gets the plain
+  behaviour. Gradients from several calls of one fp8 layer (weight sharing, gradient
+  accumulation) would add their state cotangents: call each fp8 layer once per
+  differentiated function.
+  """
+  vg = nnx.value_and_grad(fn, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8GradState)),
+                          has_aux=has_aux)
+
+  def wrapped(model, *args, **kwargs):
+    value, grads = vg(model, *args, **kwargs)
+    return value, update_fp8_grad_state(model, grads)
+
+  return wrapped
