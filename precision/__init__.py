@@ -8,6 +8,7 @@ stochastic rounding, and the subpackages flax, audit, optim, fp8, parallel, chec
 from precision import flax
 from precision import checkpoint
 from precision import formats
+from precision import fp8
 from precision import optim
 from precision import ops
 from precision import rounding
@@ -53,6 +54,7 @@ __all__ = [
     "audit",
     "flax",
     "formats",
+    "fp8",
     "get_policy",
     "get_recipe",
     "ops",
