@@ -5,12 +5,13 @@ get_recipe, float-format facts (`precision.formats`), the faithful-rounding swit
 stochastic rounding, and the subpackages flax, audit, optim, fp8, parallel, checkpoint.
 """
 
-from precision import flax
 from precision import checkpoint
+from precision import flax
 from precision import formats
 from precision import fp8
 from precision import optim
 from precision import ops
+from precision import parallel
 from precision import rounding
 from precision.audit import PrecisionReport
 from precision.audit import audit
@@ -58,6 +59,7 @@ __all__ = [
     "get_policy",
     "get_recipe",
     "ops",
+    "parallel",
     "parse_dtype",
     "rounding",
     "stochastic_round",
