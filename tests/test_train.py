@@ -1,6 +1,7 @@
 """Training loop gates on the tiny GPT: bit-exact resume, SIGKILL mid-save then --resume,
 cross-recipe restore, restore into another model config."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 from experiments import data as data_lib
 from experiments import trainlib
 from models import gpt as gpt_lib
+import precision as mp
 from precision import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,13 +86,11 @@ def test_cross_recipe_restore_continues(tmp_path, setups, corpus):
   r = checkpoint.restore(tmp_path, target, recipe=dst.recipe,
                          optimizer_for=trainlib.optimizer_for(dst.cfg))
   assert "recipe bf16_master -> fp32" in r.converted
-  master = saved.opt_state.inner_state.master if hasattr(saved.opt_state, "inner_state") \
-      else None
+  master = mp.optim.master_params(saved.opt_state, saved.params)
   leaves = jax.tree.leaves(r.state.params)
   assert all(x.dtype == jnp.float32 for x in leaves)
-  if master is not None:  # the fp32 params are the bf16_master run's f32 master, exactly
-    for a, b in zip(leaves, jax.tree.leaves(master)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(leaves, jax.tree.leaves(master)):  # the bf16_master run's f32 master
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   _, _, metrics = _steps(dst_compiled, r.state, data_lib.SamplerState(**r.data), corpus.train, 2)
   assert np.isfinite(metrics["loss"]) and metrics["skipped_steps"] == 0
 
@@ -99,8 +99,7 @@ def test_restore_into_other_model_config_fails(tmp_path, setups):
   run, state, _ = setups("fp32")
   checkpoint.save(tmp_path, 1, state, recipe=run.recipe, model_config=run.model_config.to_dict())
   other_cfg = gpt_lib.CONFIGS["tiny"].replace(d_model=32)
-  _, other = trainlib.init_state(_cfg("fp32").__class__(
-      **{**_cfg("fp32").__dict__, "model": other_cfg}))
+  _, other = trainlib.init_state(dataclasses.replace(_cfg("fp32"), model=other_cfg))
   with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"leaf 'params/blocks/0/attn/k_norm/scale': checkpoint has \(16,\) "
                            r"float32, the target expects \(8,\) float32; model config field "
