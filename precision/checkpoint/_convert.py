@@ -33,7 +33,9 @@ def _is_optax_state(x: Any) -> bool:
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
-  return jax.tree.map(lambda x, t: jnp.asarray(x).astype(t.dtype), tree, like)
+  # copy=True: every leaf in its own buffer (optimizer inits share zero counters), so the
+  # converted state can be donated to a jitted step.
+  return jax.tree.map(lambda x, t: jnp.array(x, dtype=t.dtype, copy=True), tree, like)
 
 
 def _carry_optax_states(saved_opt: Any, target_opt: Any) -> tuple[Any, list[str]]:
