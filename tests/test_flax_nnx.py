@@ -102,6 +102,15 @@ def test_handwritten_flax_backward_is_mixed(tokens):
     report.check(MIXED)
 
 
+def test_bf16_step_executes_and_grads_in_param_dtype(bf16_lm, tokens):
+  # Regression: XLA:CPU cannot run every bf16 x bf16 -> f32 dot layout (attention backward);
+  # the policy GEMM's CPU branch must make the whole step execute.
+  step, state = _loss_and_grads(bf16_lm, M.lm_loss, tokens)
+  loss, grads = step(state, tokens)
+  assert loss.dtype == F32 and np.isfinite(loss)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(F32)}
+
+
 def test_override_one_layer_to_f32(tokens):
   model = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), MIXED,
                        {"*lm_head*": "f32", nnx.Embed: MIXED})

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import precision as mp
 from precision import ops
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -57,14 +58,11 @@ def test_policy_gemm_forward_backward_dtypes():
   assert y.dtype == BF16
   ref = jnp.dot(x.astype(F32), w.astype(BF16).astype(F32)).astype(BF16)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
-  jaxpr = jax.make_jaxpr(jax.grad(
+  report = mp.audit(jax.grad(
       lambda x, w: jnp.sum(ops.dot_general(x, w, (((1,), (0,)), ((), ())), BF16).astype(F32)),
-      argnums=(0, 1)))(x, w)
-  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-  assert len(dots) == 3
-  for e in dots:
-    assert [v.aval.dtype for v in e.invars] == [BF16, BF16]
-    assert e.params["preferred_element_type"] == F32
+      argnums=(0, 1)), x, w)
+  assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 3}
+  assert [g.direction for g in report.gemms] == ["fwd", "bwd", "bwd"]
   gx, gw = jax.grad(lambda x, w: jnp.sum(ops.dot_general(
       x, w, (((1,), (0,)), ((), ())), BF16).astype(F32)), argnums=(0, 1))(x, w)
   assert gx.dtype == BF16 and gw.dtype == F32

@@ -108,8 +108,10 @@ def _op_name(frames) -> str:
   return ""
 
 
-def _scope(eqn) -> tuple[str, str]:
-  stack = str(eqn.source_info.name_stack)
+def _scope(eqn, outer: str = "") -> tuple[str, str]:
+  # Name stacks inside sub-jaxprs are relative to the enclosing equation's.
+  own = str(eqn.source_info.name_stack)
+  stack = "/".join(s for s in (outer, own) if s)
   direction = "bwd" if "transpose(" in stack else "fwd"
   return _WRAPPERS.sub("", stack).replace(")", ""), direction
 
@@ -162,7 +164,7 @@ class Walk(NamedTuple):
   has_while: bool
 
 
-def walk(jaxpr, mult: int = 1, acc: Walk | None = None) -> Walk:
+def walk(jaxpr, mult: int = 1, acc: Walk | None = None, outer: str = "") -> Walk:
   """Records every equation of `jaxpr` and of its sub-jaxprs, recursively."""
   acc = acc or Walk([], [], [], {}, False)
   for eqn in jaxpr.eqns:
@@ -170,6 +172,12 @@ def walk(jaxpr, mult: int = 1, acc: Walk | None = None) -> Walk:
     # A generic `reduce` (lax.reduce with a non-standard init) holds its combiner as a
     # jaxpr: record it as an accumulating reduction instead of walking the combiner.
     subs = [] if name == "reduce" else _subjaxprs(eqn)
+    if name == "cond" and eqn.params.get("branches_platforms"):
+      # lax.platform_dependent: report the accelerator (default) branch only; the CPU
+      # branch of the policy GEMMs is the f32-upcast equivalent (see flax/_gemm.py).
+      default = [i for i, p in enumerate(eqn.params["branches_platforms"]) if p is None]
+      if default:
+        subs = [(eqn.params["branches"][default[0]].jaxpr, 1)]
     if subs:
       if name == "while":
         acc = acc._replace(has_while=True)
@@ -177,7 +185,8 @@ def walk(jaxpr, mult: int = 1, acc: Walk | None = None) -> Walk:
       for sub, m in subs:
         if name in ("custom_vjp_call", "custom_jvp_call") and sub is not subs[0][0]:
           continue
-        acc = walk(sub, mult * m, acc)
+        acc = walk(sub, mult * m, acc, "/".join(
+            s for s in (outer, str(eqn.source_info.name_stack)) if s))
       continue
     for v in eqn.outvars:
       aval = getattr(v, "aval", None)
@@ -192,7 +201,7 @@ def walk(jaxpr, mult: int = 1, acc: Walk | None = None) -> Walk:
         "convert_element_type",):
       continue
     frames = _frames(eqn)
-    scope, direction = _scope(eqn)
+    scope, direction = _scope(eqn, outer)
     loc, op = _location(frames), _op_name(frames)
     if name in GEMM_PRIMITIVES:
       lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval

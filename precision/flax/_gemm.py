@@ -47,21 +47,39 @@ def _target_aval(like: jax.Array, dtype: np.dtype):
   return jax.typeof(like).update(dtype=dtype, weak_type=False)
 
 
+# ----------------------------------------------------------------------------- CPU
+
+
+def _on_platform(args, accelerator, cpu):
+  """`accelerator(*args)` on GPU/TPU; `cpu(*args)` on the CPU backend.
+
+  XLA:CPU has no kernel for every operand layout of a bf16 x bf16 -> f32 dot (the thunk
+  runtime fails with "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32",
+  e.g. for the attention backward). The CPU branch upcasts the already-rounded operands to
+  f32 first: a product of two bf16 (8-bit significand) or f16 (11-bit) values is exact in
+  f32 (24 bits), so it computes the same products with the same f32 accumulation.
+  `precision.audit` reports the accelerator branch.
+  """
+  return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
+
+
+def _up(*xs):
+  return tuple(x.astype(_F32) for x in xs)
+
+
 # ----------------------------------------------------------------------------- dot_general
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _dot(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
-  del x_dtype, w_dtype
-  out = lax.dot_general(x.astype(compute), w.astype(compute), dimension_numbers,
-                        precision=precision, preferred_element_type=_F32)
-  return out.astype(compute)
+  return _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype)[0]
 
 
 def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
   xc, wc = x.astype(compute), w.astype(compute)
-  out = lax.dot_general(xc, wc, dimension_numbers, precision=precision,
-                        preferred_element_type=_F32)
+  mm = lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision,
+                                    preferred_element_type=_F32)
+  out = _on_platform((xc, wc), mm, lambda a, b: mm(*_up(a, b)))
   # Residuals in the compute dtype: half the bytes of f32 copies.
   return out.astype(compute), (xc, wc)
 
@@ -69,12 +87,13 @@ def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
 def _dot_bwd(dimension_numbers, precision, compute, x_dtype, w_dtype, res, g):
   xc, wc = res
   gc = g.astype(compute)  # round the cotangent once: both GEMMs below are compute x compute
-  dx = _lax_impl._dot_general_transpose_lhs(
-      gc, _Undefined(_target_aval(xc, x_dtype)), wc, dimension_numbers=dimension_numbers,
-      precision=precision, preferred_element_type=_F32, out_sharding=None)
-  dw = _lax_impl._dot_general_transpose_rhs(
-      gc, xc, _Undefined(_target_aval(wc, w_dtype)), dimension_numbers=dimension_numbers,
-      precision=precision, preferred_element_type=_F32, out_sharding=None)
+  kw = dict(dimension_numbers=dimension_numbers, precision=precision,
+            preferred_element_type=_F32, out_sharding=None)
+  ux, uw = _Undefined(_target_aval(xc, x_dtype)), _Undefined(_target_aval(wc, w_dtype))
+  dx_fn = lambda g_, w_: _lax_impl._dot_general_transpose_lhs(g_, ux, w_, **kw)
+  dw_fn = lambda g_, x_: _lax_impl._dot_general_transpose_rhs(g_, x_, uw, **kw)
+  dx = _on_platform((gc, wc), dx_fn, lambda a, b: dx_fn(*_up(a, b)))
+  dw = _on_platform((gc, xc), dw_fn, lambda a, b: dw_fn(*_up(a, b)))
   return dx, dw
 
 
@@ -153,13 +172,14 @@ def _conv_call(lhs, rhs, params: _ConvParams, preferred):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _conv(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
-  del lhs_dtype, rhs_dtype
-  return _conv_call(lhs.astype(compute), rhs.astype(compute), params, _F32).astype(compute)
+  return _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype)[0]
 
 
 def _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
   lc, rc = lhs.astype(compute), rhs.astype(compute)
-  return _conv_call(lc, rc, params, _F32).astype(compute), (lc, rc)
+  cv = lambda a, b: _conv_call(a, b, params, _F32)
+  out = _on_platform((lc, rc), cv, lambda a, b: cv(*_up(a, b)))
+  return out.astype(compute), (lc, rc)
 
 
 def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, res, g):
@@ -171,10 +191,11 @@ def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, res, g):
             feature_group_count=params.feature_group_count,
             batch_group_count=params.batch_group_count, precision=params.precision,
             preferred_element_type=_F32, out_sharding=None)
-  dl = _lax_conv._conv_general_dilated_transpose_lhs(
-      gc, _Undefined(_target_aval(lc, lhs_dtype)), rc, **kw)
-  dr = _lax_conv._conv_general_dilated_transpose_rhs(
-      gc, lc, _Undefined(_target_aval(rc, rhs_dtype)), **kw)
+  ul, ur = _Undefined(_target_aval(lc, lhs_dtype)), _Undefined(_target_aval(rc, rhs_dtype))
+  dl_fn = lambda g_, r_: _lax_conv._conv_general_dilated_transpose_lhs(g_, ul, r_, **kw)
+  dr_fn = lambda g_, l_: _lax_conv._conv_general_dilated_transpose_rhs(g_, l_, ur, **kw)
+  dl = _on_platform((gc, rc), dl_fn, lambda a, b: dl_fn(*_up(a, b)))
+  dr = _on_platform((gc, lc), dr_fn, lambda a, b: dr_fn(*_up(a, b)))
   return dl, dr
 
 
