@@ -31,6 +31,7 @@ from flax import nnx
 import precision as mp
 import precision.flax  # noqa: F401  (mp.flax)
 import precision.optim  # noqa: F401  (mp.optim)
+import precision.fp8  # noqa: F401  (mp.fp8)
 from experiments import data as data_lib
 from models import gpt as gpt_lib
 from precision import checkpoint as ckpt_lib
@@ -147,6 +148,8 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
   # Optimizer inits may share one buffer between leaves (e.g. zero counters); the donated
   # step needs every leaf in its own buffer.
   opt_state = jax.tree.map(jnp.copy, tx.init(params))
+  # Likewise fp8 scaling state may start as one shared constant (e.g. unit scales).
+  model_state = jax.tree.map(jnp.copy, model_state)
 
   def loss_of(params, model_state, tokens):
     model = nnx.merge(graphdef, params, model_state)
@@ -155,12 +158,17 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
 
   def step(params, model_state, opt_state, tokens):
     scale = mp.optim.loss_scale_of(opt_state)
+    model = nnx.merge(graphdef, params, model_state)
 
-    def scaled(p):
-      loss, new_model_state = loss_of(p, model_state, tokens)
-      return loss * scale.astype(jnp.float32), (loss, new_model_state)  # f32 loss x scale
+    def scaled(m):
+      loss = gpt_lib.loss_fn(m, tokens)
+      return loss * scale.astype(jnp.float32), loss  # f32 loss x scale
 
-    (_, (loss, new_model_state)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    # mp.fp8.value_and_grad is nnx.value_and_grad over the Params that also writes the fp8
+    # gradient-direction (E5M2) scaling state, which only the backward pass can see; for
+    # models without fp8 GEMMs it is the plain one.
+    (_, loss), grads = mp.fp8.value_and_grad(scaled, has_aux=True)(model)
+    new_model_state = nnx.state(model, nnx.Not(nnx.Param))
     updates, opt_state = tx.update(grads, opt_state, params)
     params = mp.optim.apply_updates(params, updates)
     metrics = dict(mp.optim.optimizer_metrics(opt_state))
