@@ -155,12 +155,8 @@ class Attention(nnx.Module):
     if self.q_norm is not None:
       q_BxTxHxK, k_BxTxHxK = self.q_norm(q_BxTxHxK), self.k_norm(k_BxTxHxK)
     pos_T = jnp.arange(T, dtype=jnp.int32)
-    # precision.ops.rotary_embedding broadcasts its [T, 1, K/2] tables against
-    # [B, T, H, K/2] by rank promotion, which the test suite's rank_promotion="raise"
-    # rejects; allow it for this call only (dtypes are unaffected).
-    with jax.numpy_rank_promotion("allow"):
-      q_BxTxHxK = ops.rotary_embedding(q_BxTxHxK, pos_T, self.rope_base)
-      k_BxTxHxK = ops.rotary_embedding(k_BxTxHxK, pos_T, self.rope_base)
+    q_BxTxHxK = ops.rotary_embedding(q_BxTxHxK, pos_T, self.rope_base)
+    k_BxTxHxK = ops.rotary_embedding(k_BxTxHxK, pos_T, self.rope_base)
     att_BxHxTxT = ops.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK,
                              compute_dtype=q_BxTxHxK.dtype)
     # f32 for the scale, mask and softmax: exp and a long sum (the softmax f32 island).
