@@ -12,8 +12,9 @@ Numerics inside attention, which has no layer for the policy to reach:
     in the activation (compute) dtype, f32 accumulation, result rounded once to the
     compute dtype, and the same for their backward GEMMs;
   * scores are upcast to f32 before the 1/sqrt(head_dim) scale, the causal mask and the
-    softmax (an fp32 island, `precision.ops.softmax`); probabilities are cast back to the
-    compute dtype for probs.v;
+    softmax (an fp32 island, `precision.ops.attention_probs`); probabilities are cast back
+    to the compute dtype for probs.v. Below f32 the backward pass keeps the compute-dtype
+    scores and recomputes the f32 probabilities (same gradients, 4 bytes less per score);
   * rotary tables and rotation in f32 (`precision.ops.rotary_embedding`).
 
 Examples:
@@ -160,10 +161,10 @@ class Attention(nnx.Module):
     att_BxHxTxT = ops.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK,
                              compute_dtype=q_BxTxHxK.dtype)
     # f32 for the scale, mask and softmax: exp and a long sum (the softmax f32 island).
-    att_BxHxTxT = att_BxHxTxT.astype(_F32) * (1.0 / math.sqrt(K))
+    # Below f32 its backward keeps the compute-dtype scores, not the f32 probabilities.
     causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
-    att_BxHxTxT = jnp.where(causal_TxT, att_BxHxTxT, jnp.finfo(_F32).min)
-    probs_BxHxTxT = ops.softmax(att_BxHxTxT, axis=-1).astype(v_BxTxHxK.dtype)
+    probs_BxHxTxT = ops.attention_probs(att_BxHxTxT, causal_TxT, 1.0 / math.sqrt(K))
+    probs_BxHxTxT = probs_BxHxTxT.astype(v_BxTxHxK.dtype)
     y_BxTxHxK = ops.einsum("bhts,bshk->bthk", probs_BxHxTxT, v_BxTxHxK,
                            compute_dtype=v_BxTxHxK.dtype)
     return self.out(y_BxTxHxK.reshape(B, T, D))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from precision import ops
 from precision._policy import Policy, cast_floating, get_policy
 from precision.flax import _overrides
 from precision.flax._gemm import PolicyConv, PolicyDotGeneral
@@ -100,13 +101,53 @@ class PolicyEmbed(nnx.Embed):
                             out_sharding=out_sharding)
 
 
+def _norm_f32(graphdef, base: type, xf, state):
+  """The norm layer rebuilt from its state and called on an f32 input (all f32)."""
+  return base.__call__(nnx.merge(graphdef, state), xf)
+
+
+# The VJP of `ops._f32_island`, here rather than shared so that `precision.audit`, which
+# names an op by its innermost precision/ops.py frame, keeps reporting these as "norm".
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _norm_island(graphdef, base: type, out_dtype, x, state):
+  return _norm_f32(graphdef, base, x.astype(_F32), state).astype(out_dtype)
+
+
+def _norm_island_fwd(graphdef, base, out_dtype, x, state):
+  out = _norm_f32(graphdef, base, x.astype(_F32), state).astype(out_dtype)
+  # Residuals: x in its narrow dtype and the params, not the f32 upcast and intermediates.
+  return out, (x, state)
+
+
+def _norm_island_bwd(graphdef, base, out_dtype, res, g):
+  x, state = res
+  # The upcast is exact and the f32 forward is recomputed with the same ops on the same
+  # inputs; jax.vjp differentiates it as plain autodiff of the forward would.
+  _, vjp = jax.vjp(functools.partial(_norm_f32, graphdef, base), x.astype(_F32), state)
+  dxf, dstate = vjp(g.astype(_F32))
+  return dxf.astype(x.dtype), dstate
+
+
+_norm_island.defvjp(_norm_island_fwd, _norm_island_bwd)
+
+
 def _f32_norm_class(base: type) -> type:
   """A subclass of a flax norm layer that runs with dtype=f32 (statistics, rsqrt, scale and
   shift all in f32; flax's own `dtype=bf16` path mixes bf16 inputs with f32 statistics)
-  and rounds the result once to the policy's compute dtype."""
+  and rounds the result once to the policy's compute dtype.
+
+  For an input below f32 the layer is a custom VJP (as the f32 islands of precision.ops):
+  its backward pass keeps the input in its own dtype (and the params) instead of the f32
+  upcast and f32 intermediates, and recomputes the f32 forward; values and gradients are
+  unchanged. BatchNorm (which updates its statistics) and calls with extra arguments
+  (masks) keep the plain path."""
 
   def __call__(self, x, *args, **kwargs):
-    return base.__call__(self, x, *args, **kwargs).astype(self.precision_compute_dtype)
+    c = self.precision_compute_dtype
+    if args or kwargs or base is nnx.BatchNorm or not ops._below_f32(x.dtype):
+      return base.__call__(self, x, *args, **kwargs).astype(c)
+    graphdef, state = nnx.split(self)
+    return _norm_island(graphdef, base, c, x, state)
 
   return type(f"Policy{base.__name__}", (base,), {
       "__call__": __call__, "__module__": __name__,
