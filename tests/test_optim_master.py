@@ -269,6 +269,38 @@ def test_swamping_kahan_reaches_two(swamping):
   assert state.compensation.dtype == jnp.bfloat16
 
 
+def test_kahan_bf16_compensation_limit():
+  """The limit of a bf16 compensation buffer (optimi / AnyPrecisionAdamW keep it in bf16
+  too): the buffer rounds what it carries to 8 significant bits, so p + c runs ahead of the
+  exact sum (by up to ~14 ulps of 2**-7 here, bound 16), and once |c| reaches 2**-8 an increment of
+  1e-5 is below half its ulp and vanishes in c itself: from 2.0 on, the weight stalls.
+  The 100k-step gate above lands on 2.0 because that is where the stall begins, so this
+  records the trajectory: effective precision is about 16 bits (8 + 8), and updates below
+  ~2**-16 of the weight are not carried faithfully."""
+  tx = po.kahan_updates(optax.sgd(SWAMP_LR))
+  g = -jnp.ones((4,), jnp.bfloat16)
+
+  @jax.jit
+  def chunk(p, s):
+    def body(_, c):
+      p, s = c
+      u, s = tx.update(g, s, p)
+      return po.apply_updates(p, u), s
+    return jax.lax.fori_loop(0, 25_000, body, (p, s))
+
+  p = jnp.ones((4,), jnp.bfloat16)
+  s = tx.init(p)
+  ahead = []
+  for k in range(1, 7):
+    p, s = chunk(p, s)
+    exact = 1.0 + k * 25_000 * SWAMP_LR
+    total = float(p[0]) + float(s.compensation[0])
+    ahead.append(total - exact)
+    if k <= 4:
+      assert 0.0 <= total - exact <= 16 * 2.0 ** -7, (k, total, exact)
+  assert float(p[0]) == 2.0  # 150k steps: stalled at 2.0 where the exact sum is 2.5
+
+
 def test_swamping_stochastic_reaches_two_within_statistical_bound(swamping):
   """Each weight makes ~Binomial jumps of one bf16 ulp (2**-7 in [1, 2)), unbiased: the
   expected end is 1 + 100k * f32(1.0 + 1e-5 - 1) = 2.00136 (f32 rounding of the sum before

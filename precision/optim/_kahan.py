@@ -32,6 +32,13 @@ def kahan_updates(inner: optax.GradientTransformation) -> optax.GradientTransfor
   doing them in f32 leaves the compensation's own bf16 rounding as the only error.
   ``p_new - p`` is exact in f32 (Sterbenz), and so is ``y - (p_new - p)`` up to one rounding.
 
+  Limit (tests/test_optim_master.py::test_kahan_bf16_compensation_limit): the bf16 buffer
+  keeps 8 significant bits of what it carries, so param + compensation holds about 16
+  bits. Updates below ~2**-16 of the weight drift (bf16 1.0 + 1e-5 per step runs ahead of
+  the exact sum by up to ~14 ulps) and stall once |c| is large enough that the update is
+  under half its ulp (from 2.0 on in that example). Use master weights (or their 16-bit
+  remainder variant) where updates are that small.
+
   Examples:
     >>> tx = kahan_updates(optax.adamw(1e-3))
   """
