@@ -134,14 +134,17 @@ def _curves(runs: list[dict], key: str) -> dict[str, list[tuple[np.ndarray, np.n
 
 def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = False) -> bool:
   """One line per recipe (mean over seeds), the seeds' min-max shaded. False if no data."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # A Figure on an Agg canvas, not pyplot: the caller's backend (a notebook's inline one)
+  # stays as it is.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   curves = _curves(runs, key)
   if not curves:
     return False
-  fig, ax = plt.subplots(figsize=(8, 5))
+  fig = Figure(figsize=(8, 5))
+  FigureCanvasAgg(fig)
+  ax = fig.subplots()
   for recipe, seeds in curves.items():
     n = min(len(s) for s, _ in seeds)
     steps = seeds[0][0][:n]
@@ -159,5 +162,4 @@ def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = 
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return True

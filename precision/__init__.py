@@ -14,6 +14,7 @@ from precision import ops
 from precision import parallel
 from precision import rounding
 from precision.audit import PrecisionReport
+from precision.audit import PrecisionViolation
 from precision.audit import audit
 from precision._numerics import enable_faithful_rounding
 from precision._numerics import faithful_rounding_enabled
@@ -45,6 +46,7 @@ __all__ = [
     "LossScaleConfig",
     "PRESETS",
     "PrecisionReport",
+    "PrecisionViolation",
     "Policy",
     "Recipe",
     "cast_floating",

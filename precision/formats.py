@@ -89,7 +89,8 @@ def ulp(x: Any, dtype: Any) -> np.ndarray:
   For subnormal |x| this is the smallest subnormal; for inf/NaN it is NaN.
   """
   fi = info(dtype)
-  v = np.abs(np.asarray(x, dtype=np.float64).astype(fi.dtype).astype(np.float64))
+  with np.errstate(over="ignore"):  # |x| past the max becomes inf (or NaN): ulp is NaN
+    v = np.abs(np.asarray(x, dtype=np.float64).astype(fi.dtype).astype(np.float64))
   with np.errstate(divide="ignore", invalid="ignore"):
     exponent = np.floor(np.log2(np.where(v > 0, v, fi.smallest_normal)))
   exponent = np.maximum(exponent, np.log2(fi.smallest_normal))
