@@ -63,12 +63,18 @@ def summarize(runs: list[dict], bytes_per_param: dict[str, float] | None = None,
     mean = _finite_mean(bpbs)
     diff = mean - ctrl_mean if recipe != control else 0.0
     summ = [r.get("summary", {}) for r in rs]
+    # Paired by seed: a seed fixes the init and the data order for every recipe.
+    ctrl_by_seed = {r["seed"]: r["summary"]["final_val_bpb"]
+                    for r in groups.get(control, []) if r["status"] == "ok"}
+    paired = [r["summary"]["final_val_bpb"] - ctrl_by_seed[r["seed"]]
+              for r in sorted(ok, key=lambda r: r["seed"]) if r["seed"] in ctrl_by_seed]
     rows.append({
         "recipe": recipe,
         "seeds": len(rs),
         "val_bpb_mean": mean,
         "val_bpb_spread": float(np.ptp(bpbs)) if len(bpbs) >= 2 else float("nan"),
         "diff_vs_fp32": diff,
+        "diff_per_seed": paired,
         "verdict": "control" if recipe == control else verdict(
             diff, ctrl_spread, len(ctrl), status),
         "nonfinite": int(sum(s.get("nonfinite_steps", 0) or 0 for s in summ)),
@@ -92,9 +98,9 @@ def summary_markdown(rows: list[dict], gate_rows: list[dict] | None = None,
                      header: str = "") -> str:
   lines = [header] if header else []
   lines += [
-      "| recipe | seeds | val BPB (mean ± range/2) | Δ vs fp32 | verdict | non-finite | "
-      "skipped | final loss scale | tokens/s | step memory (MiB) | bytes/param |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "| recipe | seeds | val BPB (mean ± range/2) | Δ vs fp32 | Δ per seed | verdict | "
+      "non-finite | skipped | final loss scale | tokens/s | step memory (MiB) | bytes/param |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     spread = r["val_bpb_spread"]
@@ -103,6 +109,7 @@ def summary_markdown(rows: list[dict], gate_rows: list[dict] | None = None,
       bpb += f" ± {spread / 2:.4f}"
     lines.append(
         f"| {r['recipe']} | {r['seeds']} | {bpb} | {_fmt(r['diff_vs_fp32'], '+.4f')} | "
+        f"{' '.join(format(d, '+.3f') for d in r['diff_per_seed']) or '-'} | "
         f"{r['verdict']} | {r['nonfinite']} | {r['skipped_steps']} | "
         f"{_fmt(r['final_loss_scale'], '.4g')} | {_fmt(r['tokens_per_s'], '.0f')} | "
         f"{_fmt(r['step_memory_bytes'] / 2**20, '.2f')} | {_fmt(r['bytes_per_param'], '.1f')} |")

@@ -46,8 +46,8 @@ class SweepConfig:
   batch: int = 8
   seq: int = 128
   lr: float = 3e-3
-  eval_every: int = 25
-  eval_batches: int = 4
+  eval_every: int = 30
+  eval_batches: int = 8
   gate_batch: int = 4
   out: str = "sweep_out"
   progress: bool = True
