@@ -190,6 +190,12 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, where: jax.Array | None 
   return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+def _lead(p: jax.Array, like: jax.Array) -> jax.Array:
+  """p (a [D] scale or bias) in f32 with leading unit axes to like's rank: an explicit
+  broadcast, since rank promotion may be set to "raise"."""
+  return p.astype(_F32).reshape((1,) * (like.ndim - p.ndim) + p.shape)
+
+
 def _rms_norm_fn(eps, xf, scale, consts):
   del consts
   return rms_norm(xf, scale, eps)
@@ -206,7 +212,7 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, eps: float = 1e-6) ->
   xf = x.astype(_F32)  # f32: mean of squares and rsqrt
   y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   if scale is not None:
-    y = y * scale.astype(_F32)
+    y = y * _lead(scale, y)
   return y.astype(x.dtype)
 
 
@@ -230,9 +236,9 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
   y = (xf - mean) * jax.lax.rsqrt(var + eps)
   if scale is not None:
-    y = y * scale.astype(_F32)
+    y = y * _lead(scale, y)
   if bias is not None:
-    y = y + bias.astype(_F32)
+    y = y + _lead(bias, y)
   return y.astype(x.dtype)
 
 

@@ -1,0 +1,240 @@
+"""Activation memory of the f32 islands below f32: the backward pass keeps the low-precision
+inputs, not f32 copies, and the gradients stay those of plain autodiff, bit for bit.
+
+Activation bytes are the vjp residuals (what the backward pass keeps from the forward),
+measured from shapes only with jax.eval_shape: the growth per sequence when the batch
+doubles, so weight copies drop out (as `experiments.bench` measures them).
+
+The reference for bit-identity is the same model with every island's custom VJP replaced
+by its primal function, i.e. the f32 computation differentiated by plain JAX autodiff (what
+the library did before the custom VJPs), plus, per op, the plain formula written out here.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import precision as mp
+from precision import ops
+from precision.flax import _nnx
+from models import gpt as gpt_lib
+import _models as M
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def _nbytes(tree) -> int:
+  return int(sum(np.dtype(x.dtype).itemsize * x.size for x in jax.tree.leaves(tree)))
+
+
+def _same_bits(a, b) -> bool:
+  a, b = np.asarray(a), np.asarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture
+def plain_autodiff(monkeypatch):
+  """Within the test: every island differentiated by plain autodiff of its primal."""
+
+  def enable():
+    monkeypatch.setattr(ops, "_f32_island", ops._f32_island.fun)
+    monkeypatch.setattr(ops, "_rotary", ops._rotary.fun)
+    monkeypatch.setattr(_nnx, "_norm_island", _nnx._norm_island.fun)
+
+  return enable
+
+
+# ----------------------------------------------------------------------------- GPT
+
+
+def _gpt(config, recipe):
+  model = gpt_lib.GPT(config, rngs=nnx.Rngs(0))
+  mp.flax.apply_recipe(model, mp.get_recipe(recipe))
+  return nnx.split(model, nnx.Param, ...)
+
+
+def _residual_leaves(config, recipe, batch, seq):
+  graphdef, params, rest = _gpt(config, recipe)
+  tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+
+  def residuals(params, rest, tokens):
+    f = lambda p: gpt_lib.loss_fn(nnx.merge(graphdef, p, rest), tokens)
+    return jax.tree.leaves(jax.vjp(f, params)[1])
+
+  return jax.eval_shape(residuals, params, rest, tokens)
+
+
+def _activation_bytes_per_seq(config, recipe, seq, batch=2):
+  small = _nbytes(_residual_leaves(config, recipe, batch, seq))
+  return (_nbytes(_residual_leaves(config, recipe, 2 * batch, seq)) - small) / batch
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_gpt_bf16_activation_bytes_vs_fp32(name):
+  cfg = gpt_lib.CONFIGS[name]
+  ratio = (_activation_bytes_per_seq(cfg, "bf16_mixed", cfg.seq_len)
+           / _activation_bytes_per_seq(cfg, "fp32", cfg.seq_len))
+  # Issue 10's goal is <= 0.55; measured 0.369 (tiny) and 0.378 (small), 0.77 before.
+  assert ratio <= 0.40, ratio
+
+
+def test_gpt_bf16_keeps_no_batch_sized_f32_but_the_logits():
+  cfg = gpt_lib.CONFIGS["tiny"]
+  leaves = _residual_leaves(cfg, "bf16_mixed", 3, 16)
+  batch_f32 = [x.shape for x in leaves
+               if x.dtype == np.float32 and x.ndim >= 3 and x.shape[0] == 3 and x.size > 3 * 16]
+  # Only the f32 logits' log-softmax of the loss (cross entropy is computed in f32).
+  assert batch_f32 == [(3, 16, cfg.vocab_size)], batch_f32
+  assert not [x for x in leaves if x.dtype == np.bool_ and x.ndim == 4]  # no broadcast mask
+
+
+def test_gpt_islands_save_less_than_plain_autodiff(plain_autodiff):
+  cfg = gpt_lib.CONFIGS["tiny"]
+  ours = _activation_bytes_per_seq(cfg, "bf16_mixed", 32)
+  plain_autodiff()
+  assert _activation_bytes_per_seq(cfg, "bf16_mixed", 32) > 1.8 * ours
+
+
+def _gpt_loss_and_grads(recipe, tokens):
+  graphdef, params, rest = _gpt(gpt_lib.CONFIGS["tiny"], recipe)
+  f = jax.jit(lambda p, r, t: jax.value_and_grad(
+      lambda p: gpt_lib.loss_fn(nnx.merge(graphdef, p, r), t))(p))
+  return f(params, rest, tokens)
+
+
+@pytest.mark.parametrize("recipe", ["bf16_mixed", "fp32"])
+def test_gpt_step_bit_identical_to_plain_autodiff(recipe, plain_autodiff):
+  tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256, dtype=jnp.int32)
+  loss, grads = _gpt_loss_and_grads(recipe, tokens)
+  plain_autodiff()
+  ref_loss, ref_grads = _gpt_loss_and_grads(recipe, tokens)
+  assert _same_bits(loss, ref_loss)
+  flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+  assert len(flat) == len(ref_flat) == 21  # 9 per block, embed, final norm, head
+  assert all(_same_bits(a, b) for a, b in zip(flat, ref_flat))
+
+
+def test_nnx_layer_norm_bit_identical_and_smaller(plain_autodiff):
+  x = jax.random.normal(jax.random.key(1), (4, 16), F32)
+  y = jax.random.normal(jax.random.key(2), (4, 8), F32)
+
+  def run():
+    model = mp.flax.apply_policy(M.MLP(rngs=nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+    graphdef, params = nnx.split(model)
+    f = lambda p: M.mlp_loss(nnx.merge(graphdef, p), x, y)
+    res = jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(f, p)[1]), params)
+    return jax.jit(jax.value_and_grad(f))(params), _nbytes(res)
+
+  (loss, grads), nbytes = run()
+  plain_autodiff()
+  (ref_loss, ref_grads), ref_nbytes = run()
+  assert _same_bits(loss, ref_loss)
+  assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
+  assert nbytes < ref_nbytes
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+def _old_attention_probs(scores, mask, scale):
+  """models/gpt.py's attention softmax before ops.attention_probs, written out."""
+  s = scores.astype(F32) * scale
+  s = jnp.where(jnp.broadcast_to(mask, s.shape), s, jnp.finfo(F32).min)
+  return jax.nn.softmax(s, axis=-1).astype(scores.dtype)
+
+
+def _old_rotary(x, positions, base=10000.0):
+  sin, cos = ops.rotary_tables(positions, x.shape[-1], base)
+  sin = jnp.broadcast_to(sin[:, None, :][None], x[..., : x.shape[-1] // 2].shape)
+  cos = jnp.broadcast_to(cos[:, None, :][None], sin.shape)
+  x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def _old_rms_norm(x, w, eps=1e-6):
+  xf = x.astype(F32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(F32)[None]).astype(x.dtype)
+
+
+def _old_layer_norm(x, w, eps=1e-6):
+  xf = x.astype(F32)
+  mean = jnp.mean(xf, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+  y = (xf - mean) * jax.lax.rsqrt(var + eps)
+  return (y * w.astype(F32)[None] + w.astype(F32)[None]).astype(x.dtype)
+
+
+_T = 8
+_MASK = jnp.tril(jnp.ones((_T, _T), bool))
+_POS = jnp.arange(_T, dtype=jnp.int32)
+_W = jax.random.normal(jax.random.key(7), (_T,), F32)
+
+# name: (ours, plain formula, input shape); ours/plain take (x, w) with w a param or None.
+_CASES = {
+    "softmax": (lambda x, w: ops.softmax(x, where=_MASK),
+                lambda x, w: jax.nn.softmax(x.astype(F32), where=_MASK).astype(x.dtype),
+                (2, 3, _T, _T)),
+    "log_softmax": (lambda x, w: ops.log_softmax(x),
+                    lambda x, w: jax.nn.log_softmax(x.astype(F32)).astype(x.dtype), (5, _T)),
+    "logsumexp": (lambda x, w: ops.logsumexp(x),
+                  lambda x, w: jax.nn.logsumexp(x.astype(F32), -1).astype(x.dtype), (5, _T)),
+    "rms_norm": (lambda x, w: ops.rms_norm(x, w), lambda x, w: _old_rms_norm(x, w), (5, _T)),
+    "layer_norm": (lambda x, w: ops.layer_norm(x, w, w), lambda x, w: _old_layer_norm(x, w),
+                   (5, _T)),
+    "attention_probs": (lambda x, w: ops.attention_probs(x, _MASK, 0.25),
+                        lambda x, w: _old_attention_probs(x, _MASK, 0.25), (2, 3, _T, _T)),
+    "rotary_embedding": (lambda x, w: ops.rotary_embedding(x, _POS),
+                         lambda x, w: _old_rotary(x, _POS), (2, _T, 3, 4)),
+}
+
+
+def _value_grads_residuals(fn, x, w):
+  out, vjp = jax.vjp(fn, x, w)
+  g = jax.random.normal(jax.random.key(3), out.shape, F32).astype(out.dtype)
+  return out, vjp(g), jax.tree.leaves(vjp)
+
+
+# f32 inputs take the plain path (the same code as the reference) except RoPE's VJP.
+@pytest.mark.parametrize("name,dtype", [(n, BF16) for n in _CASES]
+                         + [("attention_probs", F16), ("rms_norm", F16),
+                            ("rotary_embedding", F32), ("layer_norm", F32)],
+                         ids=lambda v: v if isinstance(v, str) else np.dtype(v).name)
+def test_island_values_and_grads_bit_identical_to_plain_formula(name, dtype):
+  ours, plain, shape = _CASES[name]
+  x = (4.0 * jax.random.normal(jax.random.key(0), shape, F32)).astype(dtype)
+  # f32 params (mixed precision): their gradients leave the island unrounded, so they would
+  # show an f32 ulp of difference in the recomputed forward (x's gradient is rounded to x's
+  # dtype).
+  w = _W
+  out, grads, res = jax.jit(functools.partial(_value_grads_residuals, ours))(x, w)
+  ref_out, ref_grads, ref_res = jax.jit(functools.partial(_value_grads_residuals, plain))(x, w)
+  assert _same_bits(out, ref_out)
+  # The masked softmax's masked entries get zero gradient; compare signed zeros too.
+  assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
+  if dtype != F32 or name == "rotary_embedding":
+    # The backward pass keeps no f32 array as large as the input.
+    assert not [r.shape for r in res if r.dtype == F32 and r.size >= x.size], (
+        [(r.shape, r.dtype) for r in res])
+    assert _nbytes(res) < _nbytes(ref_res)
+  else:  # f32 inputs take the plain path
+    assert _nbytes(res) == _nbytes(ref_res)
+
+
+def test_attention_probs_matches_the_old_gpt_code_and_rejects_bad_input():
+  s = jax.random.normal(jax.random.key(0), (2, 3, _T, _T), F32).astype(BF16)
+  got = ops.attention_probs(s, _MASK, 0.25)
+  assert got.dtype == BF16 and _same_bits(got, _old_attention_probs(s, _MASK, 0.25))
+  assert _same_bits(ops.attention_probs(s), ops.softmax(s.astype(F32)).astype(BF16))
+  with pytest.raises(ValueError, match="floating"):
+    ops.attention_probs(jnp.zeros((2, 2), jnp.int32))
+  with pytest.raises(ValueError, match="bool"):
+    ops.attention_probs(s, _MASK.astype(jnp.int32))
+  with pytest.raises(ValueError, match="Python number"):
+    ops.attention_probs(s, _MASK, jnp.float32(0.5))
+  with pytest.raises(ValueError, match="more axes"):
+    ops.attention_probs(s[0, 0], _MASK[None, None])
