@@ -28,7 +28,8 @@ _SIXTEEN_BIT = (parse_dtype("bf16"), parse_dtype("f16"))
 # (RMSNorm and QK-norm statistics, softmax, RoPE tables, cross entropy, grad norm and the
 # optimizer update).
 DEFAULT_FP32_OPS = (
-    "softmax", "log_softmax", "logsumexp", "cross_entropy", "rms_norm", "layer_norm",
+    "softmax", "attention_probs", "log_softmax", "logsumexp", "cross_entropy", "rms_norm",
+    "layer_norm",
     "group_norm", "batch_norm", "rotary_embedding", "grad_norm", "optimizer_update",
 )
 
