@@ -92,7 +92,6 @@ def recipe_figures(model: str, batch: int, seq: int, recipes, repeats: int) -> d
   cfg_m = gpt_lib.get_config(model)
   kind = jax.devices()[0].device_kind
   out = {}
-  act_small = act_big = None
   for name in recipes:
     run, state, compiled = built[name]
     recipe = mp.get_recipe(name)

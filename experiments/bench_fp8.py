@@ -12,30 +12,18 @@ Usage: python -m experiments.bench_fp8 [--quick]
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 import precision as mp
+from experiments.timing import median_seconds
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 _DN = (((1,), (0,)), ((), ()))
-
-
-def _time(fn, *args, reps: int) -> float:
-  """Median seconds per call of a jitted fn (compiled and warmed first)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
 
 
 def gemm_times(n: int, reps: int) -> dict[str, float]:
@@ -44,14 +32,14 @@ def gemm_times(n: int, reps: int) -> dict[str, float]:
   k1, k2 = jax.random.split(jax.random.key(0))
   x = jax.random.normal(k1, (n, n), _BF16)
   w = (0.05 * jax.random.normal(k2, (n, n), _F32)).astype(_BF16)
-  out = {"bf16": _time(jax.jit(lambda a, b: jax.lax.dot_general(
-      a, b, _DN, preferred_element_type=_F32).astype(_BF16)), x, w, reps=reps)}
+  out = {"bf16": median_seconds(jax.jit(lambda a, b: jax.lax.dot_general(
+      a, b, _DN, preferred_element_type=_F32).astype(_BF16)), x, w, repeats=reps)}
   for scaling in ("current", "delayed", "block"):
     spec = mp.fp8.Fp8Spec.from_config(mp.Fp8Config(scaling=scaling))
     state = spec.init_state()
     fn = jax.jit(lambda a, b, s, spec=spec: mp.fp8.fp8_dot_general(
         a, b, _DN, s, spec, out_dtype=_BF16))
-    out[f"fp8_{scaling}"] = _time(fn, x, w, state, reps=reps)
+    out[f"fp8_{scaling}"] = median_seconds(fn, x, w, state, repeats=reps)
   return out
 
 
@@ -83,7 +71,7 @@ def step_time(recipe_name: str, d: int, tokens: int, layers: int, reps: int) -> 
       opt.update(model, grads)
     return loss
 
-  return _time(step, model, opt, x, reps=reps)
+  return median_seconds(step, model, opt, x, repeats=reps)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

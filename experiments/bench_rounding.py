@@ -9,11 +9,9 @@ On a GPU it also prints the Pallas kernels' achieved bandwidth as a fraction of 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import precision as mp
@@ -21,19 +19,10 @@ from precision.rounding import FusedAdamW
 from precision.rounding import llmc_decay_mask
 from precision.rounding import stochastic_round
 from precision.rounding import stochastic_round_pallas
+from experiments.timing import median_seconds
 
 # HBM peak bytes/s by device kind (vendor datasheets), for the GPU bandwidth fraction.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
-
-
-def _median_time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
 
 
 def run(quick: bool = False) -> dict:
@@ -43,7 +32,7 @@ def run(quick: bool = False) -> dict:
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
   nearest = jax.jit(lambda x: x.astype(jnp.bfloat16))
   sr = jax.jit(lambda x: stochastic_round(x, jnp.bfloat16, 0, 1, impl="xla"))
-  t_near, t_sr = _median_time(nearest, x, repeats=repeats), _median_time(sr, x, repeats=repeats)
+  t_near, t_sr = median_seconds(nearest, x, repeats=repeats), median_seconds(sr, x, repeats=repeats)
 
   params = {"w": jnp.zeros((n // 1024, 1024), jnp.bfloat16)}
   grads = {"w": jax.random.normal(jax.random.key(1), (n // 1024, 1024), jnp.bfloat16)}
@@ -57,8 +46,8 @@ def run(quick: bool = False) -> dict:
     return mp.optim.apply_updates(p, u), s
 
   fused_step = jax.jit(lambda p, s, g: fused.update(g, s, p))
-  t_unfused = _median_time(unfused_step, params, tx.init(params), grads, repeats=repeats)
-  t_fused = _median_time(fused_step, params, fused.init(params), grads, repeats=repeats)
+  t_unfused = median_seconds(unfused_step, params, tx.init(params), grads, repeats=repeats)
+  t_fused = median_seconds(fused_step, params, fused.init(params), grads, repeats=repeats)
   out = {"elements": n, "backend": jax.default_backend(),
          "astype_s": t_near, "sr_xla_s": t_sr, "sr_over_astype": t_sr / t_near,
          "unfused_adamw_s": t_unfused, "fused_adamw_s": t_fused,
@@ -67,7 +56,7 @@ def run(quick: bool = False) -> dict:
     kind = jax.devices()[0].device_kind
     peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None)
     kernel = jax.jit(lambda x: stochastic_round_pallas(x, jnp.bfloat16, 0, 1))
-    t_pallas = _median_time(kernel, x, repeats=repeats)
+    t_pallas = median_seconds(kernel, x, repeats=repeats)
     achieved = n * (4 + 2) / t_pallas  # read f32, write bf16
     out.update(pallas_sr_s=t_pallas, pallas_bytes_per_s=achieved, device_kind=kind,
                pallas_bandwidth_fraction=None if peak is None else achieved / peak)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -30,19 +29,10 @@ mp.enable_faithful_rounding()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from experiments.timing import median_seconds  # noqa: E402
 
 # Datasheet HBM bandwidth, bytes/s.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 0.3e12}
-
-
-def _median(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t)
-  return statistics.median(ts)
 
 
 def pallas_bit_identity(n: int) -> dict:
@@ -85,9 +75,9 @@ def bandwidth(n: int, repeats: int) -> dict:
   from precision.rounding import _pallas
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
   copy = jax.jit(lambda x: x * 1.0 + 0.0)
-  t_copy = _median(copy, x, repeats=repeats)
+  t_copy = median_seconds(copy, x, repeats=repeats)
   sr = jax.jit(lambda x: _pallas.stochastic_round_pallas(x, jnp.bfloat16, 0, 1))
-  t_sr = _median(sr, x, repeats=repeats)
+  t_sr = median_seconds(sr, x, repeats=repeats)
   kind = jax.devices()[0].device_kind
   peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None)
   copy_bw, sr_bw = 8 * n / t_copy, 6 * n / t_sr  # bytes read + written

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np

@@ -165,7 +165,7 @@ class Checkpointer:
     config_diff = _tree.config_difference(meta.get("model_config"), model_config)
     converting = recipe.to_dict() != saved_recipe.to_dict()
 
-    def mismatch(diff: str) -> CheckpointMismatchError:
+    def mismatch(diff: str) -> _tree.CheckpointMismatchError:
       head = f"Checkpoint {self.directory} step {step} does not fit the restore target: "
       tail = f"; {config_diff}" if config_diff else ""
       return _tree.CheckpointMismatchError(head + diff + tail)

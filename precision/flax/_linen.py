@@ -30,7 +30,6 @@ from typing import Any, Iterator, Mapping
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from precision._policy import Policy, cast_floating, get_policy
