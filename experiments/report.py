@@ -139,8 +139,14 @@ def _curves(runs: list[dict], key: str) -> dict[str, list[tuple[np.ndarray, np.n
   return dict(out)
 
 
-def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = False) -> bool:
-  """One line per recipe (mean over seeds), the seeds' min-max shaded. False if no data."""
+def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = False,
+                baseline: str | None = None) -> bool:
+  """One line per recipe (mean over seeds), the seeds' min-max shaded. False if no data.
+
+  With `baseline` (a recipe present in `runs`), a second panel shows each recipe's
+  difference from the baseline's mean, seed by seed (same seed: same init and data order),
+  from the second evaluation on, where the differences between recipes live.
+  """
   # A Figure on an Agg canvas, not pyplot: the caller's backend (a notebook's inline one)
   # stays as it is.
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
@@ -149,14 +155,18 @@ def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = 
   curves = _curves(runs, key)
   if not curves:
     return False
-  fig = Figure(figsize=(8, 5))
+  paired = baseline is not None and baseline in curves
+  fig = Figure(figsize=(13, 5) if paired else (8, 5))
   FigureCanvasAgg(fig)
-  ax = fig.subplots()
+  axes = fig.subplots(1, 2) if paired else [fig.subplots()]
+  ax = axes[0]
+  colors = {}
   for recipe, seeds in curves.items():
     n = min(len(s) for s, _ in seeds)
     steps = seeds[0][0][:n]
     vals = np.stack([v[:n] for _, v in seeds])
     line, = ax.plot(steps, np.nanmean(vals, axis=0), label=recipe)
+    colors[recipe] = line.get_color()
     if len(seeds) > 1:
       ax.fill_between(steps, np.nanmin(vals, axis=0), np.nanmax(vals, axis=0),
                       color=line.get_color(), alpha=0.2)
@@ -166,6 +176,23 @@ def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = 
     ax.set_yscale("log", base=2)
   ax.grid(alpha=0.3)
   ax.legend()
+  if paired:
+    base = curves[baseline]
+    n0 = min(len(s) for s, _ in base)
+    base_mean = np.nanmean(np.stack([v[:n0] for _, v in base]), axis=0)
+    bx = axes[1]
+    for recipe, seeds in curves.items():
+      n = min(n0, min(len(s) for s, _ in seeds))
+      steps = seeds[0][0][1:n]
+      diffs = np.stack([v[1:n] - base_mean[1:n] for _, v in seeds])
+      bx.plot(steps, np.nanmean(diffs, axis=0), label=recipe, color=colors[recipe])
+      if len(seeds) > 1:
+        bx.fill_between(steps, np.nanmin(diffs, axis=0), np.nanmax(diffs, axis=0),
+                        color=colors[recipe], alpha=0.15)
+    bx.axhline(0.0, color="k", lw=0.8)
+    bx.set_xlabel("step")
+    bx.set_ylabel(f"{ylabel} - {baseline} mean")
+    bx.grid(alpha=0.3)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fig.savefig(path, dpi=100)

@@ -168,7 +168,8 @@ def _run_sweep(cfg: SweepConfig) -> dict:
   with open(paths["summary_json"], "w") as f:
     json.dump({"config": dataclasses.asdict(cfg), "rows": rows, "gates": gate_rows,
                "elapsed_s": elapsed}, f, indent=1, default=str)
-  report.plot_metric(runs, "val_bpb", paths["loss_curves"], "validation bits per byte")
+  report.plot_metric(runs, "val_bpb", paths["loss_curves"], "validation bits per byte",
+                     baseline=report.CONTROL)
   scaled = [r for r in runs if mp.get_recipe(r["recipe"]).loss_scale.kind != "none"]
   if scaled:
     paths["loss_scale"] = os.path.join(cfg.out, "loss_scale.png")
