@@ -26,7 +26,7 @@ class _Unset:
   """Default of the counter fields: filled in by __post_init__ on user construction.
 
   A sentinel rather than None, so that unflattening with any leaves (tracers, None from a
-  `tree.map`, Orbax placeholders) passes them through untouched.
+  `tree.map`, Orbax abstract stand-ins) passes them through untouched.
   """
 
   def __repr__(self):
@@ -137,7 +137,7 @@ class DynamicLossScale:
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
     # Only validate and fill defaults on user construction; unflatten passes leaves that may
-    # be tracers or placeholder objects, which must go through untouched.
+    # be tracers or abstract stand-in objects, which must go through untouched.
     if isinstance(self.loss_scale, (int, float)):
       if not (np.isfinite(self.loss_scale) and self.loss_scale > 0):
         raise ValueError(
