@@ -46,6 +46,23 @@ def verdict(diff: float, control_spread: float, n_control: int, status: str) -> 
   return "worse than fp32" if diff > 0 else "better than fp32"
 
 
+def paired_verdict(diffs: list[float]) -> str:
+  """A second, paired reading of the same runs: a seed fixes the init and the data order for
+  every recipe, so per-seed differences from the control isolate the recipe's effect from
+  seed-to-seed variation (which the control's range includes). "worse"/"better" when every
+  seed agrees in sign and the mean difference exceeds two standard errors; needs >= 3 seeds.
+  """
+  d = np.asarray([x for x in diffs if math.isfinite(x)], dtype=np.float64)
+  if d.size < 3:
+    return "n/a (< 3 seeds)"
+  mean, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
+  if np.all(d > 0) and mean > 2 * se:
+    return "worse (paired)"
+  if np.all(d < 0) and -mean > 2 * se:
+    return "better (paired)"
+  return "no paired difference"
+
+
 def summarize(runs: list[dict], bytes_per_param: dict[str, float] | None = None,
               control: str = CONTROL) -> list[dict[str, Any]]:
   """One row per recipe: final val BPB mean/spread, difference from the control, verdict,
@@ -75,6 +92,8 @@ def summarize(runs: list[dict], bytes_per_param: dict[str, float] | None = None,
         "val_bpb_spread": float(np.ptp(bpbs)) if len(bpbs) >= 2 else float("nan"),
         "diff_vs_fp32": diff,
         "diff_per_seed": paired,
+        "paired_verdict": "control" if recipe == control else (
+            paired_verdict(paired) if status == "ok" else status),
         "verdict": "control" if recipe == control else verdict(
             diff, ctrl_spread, len(ctrl), status),
         "nonfinite": int(sum(s.get("nonfinite_steps", 0) or 0 for s in summ)),
@@ -99,8 +118,9 @@ def summary_markdown(rows: list[dict], gate_rows: list[dict] | None = None,
   lines = [header] if header else []
   lines += [
       "| recipe | seeds | val BPB (mean ± range/2) | Δ vs fp32 | Δ per seed | verdict | "
-      "non-finite | skipped | final loss scale | tokens/s | step memory (MiB) | bytes/param |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "paired verdict | non-finite | skipped | final loss scale | tokens/s | "
+      "step memory (MiB) | bytes/param |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     spread = r["val_bpb_spread"]
@@ -110,7 +130,7 @@ def summary_markdown(rows: list[dict], gate_rows: list[dict] | None = None,
     lines.append(
         f"| {r['recipe']} | {r['seeds']} | {bpb} | {_fmt(r['diff_vs_fp32'], '+.4f')} | "
         f"{' '.join(format(d, '+.3f') for d in r['diff_per_seed']) or '-'} | "
-        f"{r['verdict']} | {r['nonfinite']} | {r['skipped_steps']} | "
+        f"{r['verdict']} | {r['paired_verdict']} | {r['nonfinite']} | {r['skipped_steps']} | "
         f"{_fmt(r['final_loss_scale'], '.4g')} | {_fmt(r['tokens_per_s'], '.0f')} | "
         f"{_fmt(r['step_memory_bytes'] / 2**20, '.2f')} | {_fmt(r['bytes_per_param'], '.1f')} |")
   errors = [(r["recipe"], e) for r in rows for e in r["errors"]]

@@ -150,14 +150,22 @@ def _run_sweep(cfg: SweepConfig) -> dict:
                                           seq=cfg.seq, corpus=corpus))
     except Exception as e:  # pylint: disable=broad-except
       print(f"numeric gate for {recipe} failed: {type(e).__name__}: {e}", file=sys.stderr)
-  ledger = {r: mp.optim.bytes_per_param(mp.get_recipe(r)) for r in cfg.recipes}
+  return write_report(cfg, runs, gate_rows, time.time() - t0)
+
+
+def write_report(cfg: SweepConfig, runs: list[dict], gate_rows: list[dict],
+                 elapsed: float) -> dict:
+  """summary.md, summary.json and the plots in cfg.out from the runs and gate rows."""
+  recipes = tuple(dict.fromkeys(r["recipe"] for r in runs))
+  ledger = {r: mp.optim.bytes_per_param(mp.get_recipe(r)) for r in recipes}
   rows = report.summarize(runs, ledger)
-  elapsed = time.time() - t0
   header = (f"# Recipe sweep\n\nModel `{cfg.model}`, {cfg.steps} steps, batch {cfg.batch} x "
             f"seq {cfg.seq}, lr {cfg.lr}, seeds {cfg.seeds}, faithful rounding "
-            f"{mp.faithful_rounding_enabled()}, {elapsed / 60:.1f} min. Verdicts: a "
-            "difference from fp32 counts only beyond the fp32 control's range over seeds "
-            "(seed 001). Step memory = compiled arguments + temporaries.\n")
+            f"{mp.faithful_rounding_enabled()}, {elapsed / 60:.1f} min. Verdict (seed 001's "
+            "rule): a difference from fp32 counts only beyond the fp32 control's range over "
+            "seeds. Paired verdict: same seed = same init and data order; every seed's "
+            "difference has one sign and the mean exceeds two standard errors. Step memory "
+            "= compiled arguments + temporaries.\n")
   md = report.summary_markdown(rows, gate_rows, header)
   paths = {"results": os.path.join(cfg.out, "results.jsonl"),
            "summary_md": os.path.join(cfg.out, "summary.md"),
@@ -178,6 +186,32 @@ def _run_sweep(cfg: SweepConfig) -> dict:
           "elapsed_s": elapsed}
 
 
+def load_runs(out: str) -> list[dict]:
+  """The runs recorded in out/results.jsonl (step records and each run's final record)."""
+  runs: dict[tuple[str, int], dict] = {}
+  with open(os.path.join(out, "results.jsonl")) as f:
+    for line in f:
+      rec = json.loads(line)
+      run = runs.setdefault((rec["recipe"], rec["seed"]), {
+          "recipe": rec["recipe"], "seed": rec["seed"], "status": "failed", "error": None,
+          "history": [], "summary": {}})
+      if "status" in rec:
+        run.update(status=rec["status"], error=rec.get("error"),
+                   summary=rec.get("summary", {}))
+      else:
+        run["history"].append({k: v for k, v in rec.items() if k not in ("recipe", "seed")})
+  return list(runs.values())
+
+
+def rebuild_report(out: str) -> dict:
+  """Rewrites a finished sweep's summary and plots from its results.jsonl and summary.json
+  (the numeric gates and settings are read back, nothing is trained)."""
+  with open(os.path.join(out, "summary.json")) as f:
+    saved = json.load(f)
+  conf = dict(saved["config"], out=out, recipes=tuple(saved["config"]["recipes"]))
+  return write_report(SweepConfig(**conf), load_runs(out), saved["gates"], saved["elapsed_s"])
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,7 +225,12 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="sweep_out")
   ap.add_argument("--quick", action="store_true", help="about a minute: tiny model, 3 recipes")
   ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--report-only", action="store_true",
+                  help="rebuild summary.md and the plots of an existing --out, no training")
   args = ap.parse_args(argv)
+  if args.report_only:
+    print(rebuild_report(args.out)["markdown"])
+    return 0
   overrides = {k: v for k, v in dict(seeds=args.seeds, steps=args.steps, model=args.model,
                                      batch=args.batch, seq=args.seq, lr=args.lr).items()
                if v is not None}

@@ -67,6 +67,18 @@ def test_summary_rows_and_gates(quick):
   assert "| recipe |" in md and "Numeric gate" in md and "bf16_master" in md
 
 
+def test_report_rebuilds_from_results(quick, tmp_path):
+  out, res = quick
+  import shutil
+  copy = tmp_path / "copy"
+  shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".compile_cache"))
+  rebuilt = sweep.rebuild_report(str(copy))
+  strip = lambda rows: [{k: v for k, v in r.items()} for r in rows]
+  assert json.dumps(strip(rebuilt["rows"]), sort_keys=True, default=str) == json.dumps(
+      strip(res["rows"]), sort_keys=True, default=str)
+  assert _is_png(str(copy / "loss_curves.png"))
+
+
 def _run(recipe, seed, bpb, status="ok"):
   return {"recipe": recipe, "seed": seed, "status": status, "history": [],
           "summary": {"final_val_bpb": bpb}}
@@ -83,6 +95,22 @@ def test_verdict_rule():
   assert rows["d"]["verdict"] == "diverged"
   one = report.summarize([_run("fp32", 0, 3.0), _run("a", 0, 3.5)])
   assert one[1]["verdict"].startswith("no verdict")
+
+
+def test_paired_verdict_rule():
+  # The control's range (0.20) hides a recipe that is worse on every seed by ~0.05.
+  runs = [_run("fp32", 0, 3.0), _run("fp32", 1, 3.2), _run("fp32", 2, 3.1),
+          _run("p", 0, 3.05), _run("p", 1, 3.26), _run("p", 2, 3.14),
+          _run("q", 0, 3.05), _run("q", 1, 3.15), _run("q", 2, 3.12),
+          _run("r", 0, 2.96), _run("r", 1, 3.15), _run("r", 2, 3.07)]
+  rows = {r["recipe"]: r for r in report.summarize(runs)}
+  assert rows["p"]["verdict"].startswith("holds")
+  assert rows["p"]["paired_verdict"] == "worse (paired)"
+  assert rows["q"]["paired_verdict"] == "no paired difference"  # signs disagree
+  assert rows["r"]["paired_verdict"] == "better (paired)"
+  assert rows["fp32"]["paired_verdict"] == "control"
+  assert report.paired_verdict([0.1, 0.2]) == "n/a (< 3 seeds)"
+  assert report.paired_verdict([0.01, 0.5, 0.01]) == "no paired difference"  # mean < 2 s.e.
 
 
 def test_failed_run_is_recorded_and_sweep_goes_on(tmp_path, monkeypatch):
