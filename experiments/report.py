@@ -149,13 +149,15 @@ def summary_markdown(rows: list[dict], gate_rows: list[dict] | None = None,
   return "\n".join(lines) + "\n"
 
 
-def _curves(runs: list[dict], key: str) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+def _curves(runs: list[dict], key: str) -> dict[str, list[tuple[np.ndarray, np.ndarray, int]]]:
+  """recipe -> [(steps, values, seed)] for every run that logged `key`."""
   out: dict[str, list] = defaultdict(list)
   for r in runs:
     pts = [(h["step"], h[key]) for h in r.get("history", []) if h.get(key) is not None]
     if pts:
       steps, vals = zip(*pts)
-      out[r["recipe"]].append((np.asarray(steps), np.asarray(vals, dtype=np.float64)))
+      out[r["recipe"]].append((np.asarray(steps), np.asarray(vals, dtype=np.float64),
+                               r.get("seed")))
   return dict(out)
 
 
@@ -164,8 +166,8 @@ def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = 
   """One line per recipe (mean over seeds), the seeds' min-max shaded. False if no data.
 
   With `baseline` (a recipe present in `runs`), a second panel shows each recipe's
-  difference from the baseline's mean, seed by seed (same seed: same init and data order),
-  from the second evaluation on, where the differences between recipes live.
+  difference from the baseline paired by seed (same seed: same init and data order): the
+  mean over seeds, their min-max shaded, from the second evaluation on.
   """
   # A Figure on an Agg canvas, not pyplot: the caller's backend (a notebook's inline one)
   # stays as it is.
@@ -182,9 +184,9 @@ def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = 
   ax = axes[0]
   colors = {}
   for recipe, seeds in curves.items():
-    n = min(len(s) for s, _ in seeds)
+    n = min(len(s) for s, _, _ in seeds)
     steps = seeds[0][0][:n]
-    vals = np.stack([v[:n] for _, v in seeds])
+    vals = np.stack([v[:n] for _, v, _ in seeds])
     line, = ax.plot(steps, np.nanmean(vals, axis=0), label=recipe)
     colors[recipe] = line.get_color()
     if len(seeds) > 1:
@@ -197,21 +199,22 @@ def plot_metric(runs: list[dict], key: str, path: str, ylabel: str, log: bool = 
   ax.grid(alpha=0.3)
   ax.legend()
   if paired:
-    base = curves[baseline]
-    n0 = min(len(s) for s, _ in base)
-    base_mean = np.nanmean(np.stack([v[:n0] for _, v in base]), axis=0)
+    base = {seed: v for _, v, seed in curves[baseline]}
     bx = axes[1]
     for recipe, seeds in curves.items():
-      n = min(n0, min(len(s) for s, _ in seeds))
-      steps = seeds[0][0][1:n]
-      diffs = np.stack([v[1:n] - base_mean[1:n] for _, v in seeds])
+      pairs = [(st, v, base[seed]) for st, v, seed in seeds if seed in base]
+      if not pairs:
+        continue
+      n = min(min(len(v), len(b)) for _, v, b in pairs)
+      steps = pairs[0][0][1:n]
+      diffs = np.stack([v[1:n] - b[1:n] for _, v, b in pairs])
       bx.plot(steps, np.nanmean(diffs, axis=0), label=recipe, color=colors[recipe])
-      if len(seeds) > 1:
+      if len(pairs) > 1:
         bx.fill_between(steps, np.nanmin(diffs, axis=0), np.nanmax(diffs, axis=0),
                         color=colors[recipe], alpha=0.15)
     bx.axhline(0.0, color="k", lw=0.8)
     bx.set_xlabel("step")
-    bx.set_ylabel(f"{ylabel} - {baseline} mean")
+    bx.set_ylabel(f"{ylabel} minus {baseline}, same seed")
     bx.grid(alpha=0.3)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
