@@ -13,6 +13,20 @@ from precision.optim import _compat
 from precision.optim import _tree
 
 
+def inner_update_f32(inner: optax.GradientTransformation, name: str, grads: Any,
+                     inner_state: Any, params: Any) -> tuple[Any, Any, Any]:
+  """`inner` run on f32 copies of 16-bit params and grads (no master copy is kept).
+
+  Returns (params in f32, `inner`'s updates in f32, new inner state). `name` is the calling
+  transform's, for the error when `params` is missing.
+  """
+  if params is None:
+    raise ValueError(f"{name} needs params in update(grads, state, params)")
+  p32 = _tree.cast(params, jnp.float32)
+  u, inner_state = inner.update(_tree.cast(grads, jnp.float32), inner_state, p32)
+  return p32, _tree.cast_like(u, p32), inner_state
+
+
 def f32_update(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   """Runs `inner` in f32 on 16-bit params: grads and params are upcast (exact), the updates
   come back in f32, and `apply_updates` adds them in f32 and rounds once to nearest.
@@ -59,11 +73,8 @@ def stochastic_updates(inner: optax.GradientTransformation, seed: int = 0
     return StochasticState(jnp.zeros((), jnp.int32), inner.init(_tree.cast(params, jnp.float32)))
 
   def update_fn(grads, state, params=None):
-    if params is None:
-      raise ValueError("stochastic_updates needs params in update(grads, state, params)")
-    p32 = _tree.cast(params, jnp.float32)
-    u, inner_state = inner.update(_tree.cast(grads, jnp.float32), state.inner_state, p32)
-    u = _tree.cast_like(u, p32)
+    p32, u, inner_state = inner_update_f32(inner, "stochastic_updates", grads,
+                                           state.inner_state, params)
     target = jax.tree.map(lambda p, d: p + d, p32, u)
     new_params = _apply.round_tree(target, params, "stochastic", seed, state.count)
     return _apply.deltas(new_params, params, u), StochasticState(state.count + 1, inner_state)

@@ -10,6 +10,7 @@ import optax
 
 from precision.optim import _apply
 from precision.optim import _compat
+from precision.optim import _direct
 from precision.optim import _tree
 
 
@@ -50,11 +51,8 @@ def kahan_updates(inner: optax.GradientTransformation) -> optax.GradientTransfor
     return KahanState(comp, inner.init(_tree.cast(params, jnp.float32)))
 
   def update_fn(grads, state, params=None):
-    if params is None:
-      raise ValueError("kahan_updates needs params in update(grads, state, params)")
-    p32 = _tree.cast(params, jnp.float32)
-    u, inner_state = inner.update(_tree.cast(grads, jnp.float32), state.inner_state, p32)
-    u = _tree.cast_like(u, p32)
+    _, u, inner_state = _direct.inner_update_f32(inner, "kahan_updates", grads,
+                                                 state.inner_state, params)
 
     def one(p, d, c):
       if not _tree.is_float(p) or p.dtype.itemsize >= 4:
