@@ -195,6 +195,9 @@ def markdown(res: dict) -> str:
     first = o["ratio"][o["sizes"][0]]
     for k in first:
       lines.append(f"| {k} | " + " | ".join(f"{o['ratio'][n][k]:.2f}" for n in o["sizes"]) + " |")
+    for k in o["no_donation_ratio"][o["sizes"][0]]:
+      lines.append(f"| {k}, no donation | " + " | ".join(
+          f"{o['no_donation_ratio'][n][k]:.2f}" for n in o["sizes"]) + " |")
     lines.append("")
   if "rounding" in res:
     r = res["rounding"]

@@ -44,7 +44,7 @@ def _transforms():
   }
 
 
-def _time_step(tx, n, dtype, repeats):
+def _time_step(tx, n, dtype, repeats, donate=True):
   params = {"w": jax.random.normal(jax.random.key(0), (n // 1024, 1024), jnp.float32).astype(dtype)}
   grads = {"w": jax.random.normal(jax.random.key(1), (n // 1024, 1024), jnp.float32).astype(dtype)}
 
@@ -57,7 +57,7 @@ def _time_step(tx, n, dtype, repeats):
   with jax.numpy_dtype_promotion("standard"):
     state = tx.init(params)
   state = jax.tree.map(jnp.copy, state)  # adamw's mu and nu may share one zeros buffer
-  fn = jax.jit(step, donate_argnums=(0, 1))
+  fn = jax.jit(step, donate_argnums=(0, 1) if donate else ())
   params, state = fn(params, state, grads)  # compile + warm up
   jax.block_until_ready(params)
   times = []
@@ -79,6 +79,15 @@ def run(quick: bool = False) -> dict:
     base = secs["optax.adamw (f32)"]
     out["seconds"][n] = secs
     out["ratio"][n] = {k: v / base for k, v in secs.items()}
+  # Without donation: the skip guard's select keeps the old state alive, which costs most
+  # where plain adamw could update in place (donated); these rows separate the two effects.
+  guards = ("optax.adamw (f32)", "skip_nonfinite (f32)", "loss_scaling dynamic (f32)")
+  out["no_donation_seconds"], out["no_donation_ratio"] = {}, {}
+  for n in sizes:
+    secs = {name: _time_step(tx, n, dt, repeats, donate=False)
+            for name, (tx, dt) in _transforms().items() if name in guards}
+    out["no_donation_seconds"][n] = secs
+    out["no_donation_ratio"][n] = {k: v / secs[guards[0]] for k, v in secs.items()}
   return out
 
 
@@ -94,6 +103,13 @@ def main():
     row = f"{name:36s}"
     for n in sizes:
       row += f"{res['seconds'][n][name] * 1e3:10.2f}{res['ratio'][n][name]:7.2f}"
+    print(row)
+  print("without donation (params and state not updated in place):")
+  for name in res["no_donation_ratio"][sizes[0]]:
+    row = f"{name:36s}"
+    for n in sizes:
+      row += (f"{res['no_donation_seconds'][n][name] * 1e3:10.2f}"
+              f"{res['no_donation_ratio'][n][name]:7.2f}")
     print(row)
 
 
