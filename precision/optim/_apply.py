@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from precision.optim import _tree
 from precision.rounding import leaf_seed
 from precision.rounding import stochastic_round
+from precision.rounding._hash import shard_offset
 
 ROUNDINGS = ("nearest", "stochastic")
 
@@ -56,13 +57,20 @@ def apply_updates(params: Any, updates: Any) -> Any:
   return jax.tree.map(one, params, updates, is_leaf=lambda x: x is None)
 
 
-def round_tree(values: Any, like: Any, rounding: str, seed: int, count: jax.Array) -> Any:
+def round_tree(values: Any, like: Any, rounding: str, seed: int, count: jax.Array, *,
+               axis_name: str | None = None) -> Any:
   """Rounds the f32 leaves of `values` to the dtypes of the matching leaves of `like`.
 
   `nearest`: round-to-nearest-even cast. `stochastic`: the project convention, leaf i (in
   jax.tree.leaves order) at step `count` uses ``stochastic_round(x, dtype,
-  key=leaf_seed(seed, i), step=count)``. Leaves already in the target dtype, or whose
-  target is f32, are cast with nearest rounding (a no-op for f32).
+  key=leaf_seed(seed, i), step=count, index_offset=o)``. Leaves already in the target
+  dtype, or whose target is f32, are cast with nearest rounding (a no-op for f32).
+
+  `axis_name`: None when the leaves are whole (o = 0). Set when they are ZeRO shards
+  inside shard_map/pmap (precision.parallel's layout: each leaf flattened row-major,
+  zero-padded, device r holding the contiguous flat elements [r*k, (r+1)*k), k = x.size):
+  o = ``axis_index(axis_name) * x.size``, the shard's global flat index, so each element
+  gets the bits of the unsharded rounding whatever the device count.
   """
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding={rounding!r}; accepted: {', '.join(ROUNDINGS)}")
@@ -72,7 +80,8 @@ def round_tree(values: Any, like: Any, rounding: str, seed: int, count: jax.Arra
   for i, (x, p) in enumerate(zip(leaves, like_leaves)):
     if rounding == "stochastic" and _tree.is_float(p) and p.dtype.itemsize < 4:
       out.append(stochastic_round(x.astype(jnp.float32), p.dtype, key=leaf_seed(seed, i),
-                                  step=count.astype(jnp.uint32)))
+                                  step=count.astype(jnp.uint32),
+                                  index_offset=shard_offset(axis_name, x.size)))
     elif _tree.is_float(p):
       out.append(x.astype(p.dtype))
     else:

@@ -43,7 +43,15 @@ def build_optimizer(recipe: Recipe | str, inner: optax.GradientTransformation, *
     inner: e.g. ``optax.adamw(3e-4)``.
     seed: seed of stochastic rounding.
     axis_name: set when `update` runs inside shard_map/pmap on shards of the grads
-      (ZeRO): the all-finite check and grad norm are reduced over this axis.
+      (ZeRO): the all-finite check and grad norm are reduced over this axis, and
+      stochastic rounding counts elements by their GLOBAL flat index. That assumes
+      precision.parallel's layout: every leaf (params, grads, optimizer state alike) is
+      flattened row-major, zero-padded to a multiple of the axis size n, and device r =
+      ``axis_index(axis_name)`` holds the contiguous flat elements [r*k, (r+1)*k), k the
+      local shard's size; its rounding uses ``index_offset = r * k``. A sharded update
+      then rounds every element exactly as the unsharded one (same seed) does, whatever
+      n is. Another layout (strided, uneven, or any non-elementwise split) needs its own
+      offsets. Leave it None for whole leaves (stage 0, single device): offset 0.
 
   Returns:
     An optax.GradientTransformation; apply its updates with
@@ -59,9 +67,10 @@ def build_optimizer(recipe: Recipe | str, inner: optax.GradientTransformation, *
     tx = _moments.moment_dtypes(tx, recipe.mu_dtype, recipe.nu_dtype)
   param_dtype = recipe.policy.param_dtype
   if recipe.master_dtype is not None:
-    tx = _master.master_weights(tx, recipe.master_dtype, recipe.rounding, seed)
+    tx = _master.master_weights(tx, recipe.master_dtype, recipe.rounding, seed,
+                                axis_name=axis_name)
   elif recipe.rounding == "stochastic":
-    tx = _direct.stochastic_updates(tx, seed)
+    tx = _direct.stochastic_updates(tx, seed, axis_name=axis_name)
   elif recipe.rounding == "kahan":
     tx = _kahan.kahan_updates(tx)
   elif param_dtype != _F32:

@@ -55,13 +55,18 @@ class StochasticState(NamedTuple):
   inner_state: Any
 
 
-def stochastic_updates(inner: optax.GradientTransformation, seed: int = 0
-                       ) -> optax.GradientTransformation:
+def stochastic_updates(inner: optax.GradientTransformation, seed: int = 0, *,
+                       axis_name: str | None = None) -> optax.GradientTransformation:
   """16-bit params without a master, rounded stochastically (as llm.c's bf16 path).
 
   Each step the new param is ``stochastic_round(f32(p) + u, dtype, key=leaf_seed(seed, i),
   step=count)``, unbiased in expectation, so small updates survive on average. The
   returned f32 deltas make `precision.optim.apply_updates` produce exactly that value.
+
+  `axis_name`: None for whole leaves. Set it when `update` runs inside shard_map/pmap on
+  ZeRO shards (contiguous chunks of each flattened, padded leaf, precision.parallel's
+  layout): each element is then rounded with its global flat index as the counter
+  (``index_offset = axis_index * shard size``), bit-identical to the unsharded update.
 
   Examples:
     >>> tx = stochastic_updates(optax.adamw(1e-3), seed=0)
@@ -76,7 +81,8 @@ def stochastic_updates(inner: optax.GradientTransformation, seed: int = 0
     p32, u, inner_state = inner_update_f32(inner, "stochastic_updates", grads,
                                            state.inner_state, params)
     target = jax.tree.map(lambda p, d: p + d, p32, u)
-    new_params = _apply.round_tree(target, params, "stochastic", seed, state.count)
+    new_params = _apply.round_tree(target, params, "stochastic", seed, state.count,
+                                   axis_name=axis_name)
     return _apply.deltas(new_params, params, u), StochasticState(state.count + 1, inner_state)
 
   return _compat.own(optax.GradientTransformation(init_fn, update_fn))

@@ -26,7 +26,8 @@ class MasterState(NamedTuple):
 
 
 def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.float32,
-                   rounding: str = "nearest", seed: int = 0) -> optax.GradientTransformation:
+                   rounding: str = "nearest", seed: int = 0, *,
+                   axis_name: str | None = None) -> optax.GradientTransformation:
   """Keeps a `master_dtype` copy of the params and runs `inner` on it.
 
   Each step: grads are upcast to the master dtype (exact for bf16/f16); `inner` updates the
@@ -41,6 +42,11 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
     master_dtype: the master dtype (default f32).
     rounding: "nearest" or "stochastic" (stochastic needs an f32 master).
     seed: int seed of the stochastic rounding.
+    axis_name: None when `update` sees whole leaves. Set it when `update` runs inside
+      shard_map/pmap on ZeRO shards (contiguous chunks of each flattened, padded leaf, as
+      precision.parallel lays them out): stochastic rounding then counts elements by
+      their global flat index (`precision.optim._apply.round_tree`), bit-identical to the
+      unsharded update.
 
   Returns:
     An optax.GradientTransformation whose state is a `MasterState`; `update` needs params.
@@ -71,7 +77,8 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
     u, inner_state = inner.update(grads, state.inner_state, state.master)
     u = _tree.cast_like(u, state.master)
     master = _apply.apply_updates(state.master, u)
-    new_params = _apply.round_tree(master, params, rounding, seed, state.count)
+    new_params = _apply.round_tree(master, params, rounding, seed, state.count,
+                                   axis_name=axis_name)
     updates = _apply.deltas(new_params, params, u)
     return updates, MasterState(state.count + 1, master, inner_state)
 

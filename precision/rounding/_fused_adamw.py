@@ -12,7 +12,10 @@ rounding="stochastic")` around ``optax.adamw``), for f32 moments:
   u   = u + wd * w                                add_decayed_weights, where the mask says
   u   = (-lr) * u                                 scale_by_learning_rate
   w'  = w + u                                     w: the f32 master, or f32(param) without
-  param' = stochastic_round(w', param dtype, key=leaf_seed(seed, i), step=count)
+  param' = stochastic_round(w', param dtype, key=leaf_seed(seed, i), step=count,
+                            index_offset=offset_i)
+        offset_i = 0, or with `axis_name` (the update runs on ZeRO shards)
+        ``axis_index(axis_name) * shard size``: the shard's first global flat index
 
 g is upcast to f32 (exact for bf16/f16). Everything is f32: Adam's moments and epsilon
 need the range (1e-8 is 0 in f16) and the update must be exact before the one rounding.
@@ -115,8 +118,9 @@ def step_scalars(count: jax.Array, learning_rate, b1: float, b2: float,
 
 
 def _leaf_reference(g, p, mu, nu, master, keys, scalars, hp, fi):
+  """keys: `_pallas.kernel_keys` (k1, k2, index_offset, 0), as the kernel reads them."""
   n = g.size
-  index = jax.lax.iota(jnp.uint32, n).reshape(g.shape)
+  index = jax.lax.iota(jnp.uint32, n).reshape(g.shape) + keys[2]
   rbits = _hash.bits_at(index, keys[0], keys[1])
   w = master if master is not None else p.astype(jnp.float32)
   bits, mu, nu, w = adamw_sr_elementwise(
@@ -127,14 +131,14 @@ def _leaf_reference(g, p, mu, nu, master, keys, scalars, hp, fi):
 def _adamw_kernel(keys_ref, s_ref, g_ref, w_ref, mu_ref, nu_ref, *out_refs, n, block_size,
                   hp, fi, has_master):
   pbits_ref, mu_out, nu_out = out_refs[:3]
-  index, ok = _pallas.block_indices(block_size, n)
+  position, ok = _pallas.block_indices(block_size, n)
   g = plgpu.load(g_ref, mask=ok, other=0)
   w = plgpu.load(w_ref, mask=ok, other=0)
   if not has_master:  # w_ref holds the param's bit pattern: widen it to f32 (exact)
     w = jax.lax.bitcast_convert_type(w, fi.dtype).astype(jnp.float32)
   mu = plgpu.load(mu_ref, mask=ok, other=0)
   nu = plgpu.load(nu_ref, mask=ok, other=0)
-  rbits = _hash.bits_at(index, keys_ref[0], keys_ref[1])
+  rbits = _pallas.bits_from_keys(position, keys_ref)
   scalars = (s_ref[0], s_ref[1], s_ref[2], s_ref[3])
   bits, mu, nu, w = adamw_sr_elementwise(g, w, mu, nu, rbits, scalars, hp, fi)
   plgpu.store(pbits_ref, bits, mask=ok)
@@ -168,7 +172,8 @@ def _leaf_pallas(g, p, mu, nu, master, keys, scalars, hp, fi, *, block_size, int
   outs = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(n, block_size),),
-      in_specs=[pl.BlockSpec((2,), lambda i: (0,)), pl.BlockSpec((4,), lambda i: (0,)),
+      in_specs=[pl.BlockSpec((_pallas.KEYS_SIZE,), lambda i: (0,)),
+                pl.BlockSpec((4,), lambda i: (0,)),
                 block, block, block, block],
       out_specs=[block] * len(out_shape),
       out_shape=out_shape,
@@ -202,6 +207,14 @@ class FusedAdamW:
       stochastic rounding).
     impl: "auto" (Pallas on GPU, XLA elsewhere), "xla" or "pallas" (interpret mode off GPU).
     block_size: elements per Pallas program.
+    axis_name: None (default) when `update` sees whole leaves. Set it when `update` runs
+      inside shard_map/pmap on ZeRO shards laid out as `precision.parallel` does: each
+      leaf flattened row-major, zero-padded to a multiple of the axis size n, device r
+      holding the contiguous flat elements [r*k, (r+1)*k), k = the shard's size. Leaf i's
+      rounding then uses ``index_offset = axis_index(axis_name) * k`` (uint32), so every
+      element draws the bits it would draw in an unsharded update and the result does not
+      depend on the device count. Flat shards have ndim 1, so pass an explicit `mask`
+      (the default decay rule reads ndim).
 
   Params must be bf16 or f16; grads any float dtype (upcast to f32).
 
@@ -222,6 +235,7 @@ class FusedAdamW:
   keep_master: bool = False
   impl: str = "auto"
   block_size: int = _pallas.BLOCK_SIZE
+  axis_name: str | None = None
 
   def __post_init__(self):
     if self.impl not in IMPLS:
@@ -281,8 +295,8 @@ class FusedAdamW:
                                               m_leaves)):
       fi = formats.info(p.dtype)
       hp = Hyper(self.b1, self.b2, self.eps, self.eps_root, decay[i])
-      k1, k2 = _hash.stream_keys(_hash.leaf_seed(self.seed, i), step)
-      keys = jnp.stack([k1, k2])
+      keys = _pallas.kernel_keys(_hash.leaf_seed(self.seed, i), step,
+                                 _hash.shard_offset(self.axis_name, p.size))
       if g.shape != p.shape:
         raise ValueError(f"grad shape {g.shape} != param shape {p.shape} (leaf {i})")
       if impl == "pallas":

@@ -1,5 +1,10 @@
 """Counter-based random bits: a hash of (seed, step, flat element index).
 
+The flat element index is the element's row-major position plus an `index_offset`
+(uint32 arithmetic, wrapping): a slice or shard holding elements [a, b) of a larger flat
+array passes ``index_offset=a`` and draws exactly the bits the whole array would give
+those elements, so a sharded rounding equals the unsharded one bit for bit.
+
 No random array is ever materialised: each element's 32 random bits are a pure function of
 three uint32 counters, so a kernel can compute them where it reads the element, and any
 rounding can be replayed for a bit-exact resume (llm.c's design; its hash is
@@ -42,14 +47,51 @@ def bits_at(index: jax.Array, k1: jax.Array, k2: jax.Array) -> jax.Array:
   return mix32(mix32(index ^ k2) + k1)
 
 
-def random_bits(seed, step, shape) -> jax.Array:
-  """uint32 random bits of `shape` for (seed, step): element i gets ``bits_at(i, ...)``.
+def offset_from(index_offset) -> jax.Array:
+  """The uint32 scalar of an `index_offset`: a Python int in [0, 2**32) or an integer
+  scalar array (traced values welcome; cast to uint32, so negative values wrap)."""
+  if isinstance(index_offset, (bool, np.bool_)):
+    raise ValueError(f"index_offset={index_offset!r}; accepted: an int in [0, 2**32) or an "
+                     "integer scalar array")
+  if isinstance(index_offset, (int, np.integer)):
+    if not 0 <= int(index_offset) < 2 ** 32:
+      raise ValueError(f"index_offset={int(index_offset)}; accepted: an int in [0, 2**32) "
+                       "or an integer scalar array")
+    return jnp.asarray(np.uint32(int(index_offset)))
+  index_offset = jnp.asarray(index_offset)
+  if index_offset.shape != () or not jnp.issubdtype(index_offset.dtype, jnp.integer):
+    raise ValueError(
+        f"index_offset must be an int in [0, 2**32) or an integer scalar array; got dtype "
+        f"{index_offset.dtype} shape {index_offset.shape}")
+  return index_offset.astype(_U32)
 
-  The flat index is row-major over `shape`; arrays over 2**32 elements wrap the index.
+
+def shard_offset(axis_name: str | None, shard_size: int) -> jax.Array | int:
+  """The `index_offset` of this device's shard: its first element's global flat index.
+
+  The layout of `precision.parallel` (ZeRO stages 1-3): a leaf is flattened row-major,
+  zero-padded to a multiple of the axis size n and cut into n contiguous shards of
+  `shard_size` elements; device r (``jax.lax.axis_index(axis_name)``, inside shard_map or
+  pmap) holds flat elements [r * shard_size, (r + 1) * shard_size). Returns 0 when
+  `axis_name` is None (whole leaves), else a traced uint32 scalar. The product is formed
+  in uint32 like the counters themselves (int32 would overflow past 2**31 elements).
+  """
+  if axis_name is None:
+    return 0
+  rank = jax.lax.axis_index(axis_name).astype(_U32)
+  return rank * np.uint32(shard_size & 0xFFFFFFFF)
+
+
+def random_bits(seed, step, shape, index_offset=0) -> jax.Array:
+  """uint32 random bits of `shape` for (seed, step): the element at row-major position i
+  gets ``bits_at(index_offset + i, ...)`` (uint32 arithmetic: the index wraps at 2**32).
+
+  `index_offset` (int or integer scalar, may be traced): the flat index of this array's
+  first element in a larger array it is a contiguous slice of (0 for a whole array).
   """
   k1, k2 = stream_keys(seed, step)
   n = int(np.prod(shape)) if len(shape) else 1
-  index = jax.lax.iota(_U32, n).reshape(shape)
+  index = jax.lax.iota(_U32, n).reshape(shape) + offset_from(index_offset)
   return bits_at(index, k1, k2)
 
 

@@ -2,8 +2,10 @@
 
 The array is flattened (row-major over its logical shape, so transposed or sliced inputs
 get the same flat indices as in the reference) and cut into 1-D blocks of `block_size`
-elements. Program i handles flat indices [i * block_size, (i + 1) * block_size): it
-derives them from its program id, computes each element's random bits there with
+elements. Program i handles positions [i * block_size, (i + 1) * block_size), whose flat
+indices are those positions plus `index_offset` (a runtime uint32 read from the key
+vector, so every shard offset shares one compiled kernel): it derives them from its
+program id, computes each element's random bits there with
 `_hash.bits_at` (no random array in memory) and rounds with `_reference.encode`, the same
 function the XLA reference uses. The last block is partial when the size is not a
 multiple of `block_size`: its loads and stores are masked. Each element is read once
@@ -36,12 +38,31 @@ def default_interpret() -> bool:
 
 
 def block_indices(block_size: int, n: int) -> tuple[jax.Array, jax.Array]:
-  """Inside a kernel: the uint32 global flat indices of this program's block and the
-  in-bounds mask (False past the end of an array of `n` elements)."""
+  """Inside a kernel: the uint32 positions (0..n-1, row-major) of this program's block and
+  the in-bounds mask (False past the end of an array of `n` elements). The flat index that
+  picks the random bits is ``position + index_offset`` (see `kernel_keys`)."""
   pid = pl.program_id(0).astype(_U32)
   local = jax.lax.broadcasted_iota(jnp.int32, (block_size,), 0).astype(_U32)
-  index = pid * _U32(block_size) + local
-  return index, index < _U32(n)
+  position = pid * _U32(block_size) + local
+  return position, position < _U32(n)
+
+
+# The key vector every kernel reads: (k1, k2, index_offset, 0). Four entries, not three,
+# because Triton block shapes must be powers of two; the last one is unused.
+KEYS_SIZE = 4
+
+
+def kernel_keys(seed: jax.Array, step, index_offset=0) -> jax.Array:
+  """uint32[KEYS_SIZE] = (k1, k2, index_offset, 0) for one (seed, step) stream, computed
+  once per call outside the kernel; the offset stays a runtime value (no recompile)."""
+  k1, k2 = _hash.stream_keys(seed, step)
+  return jnp.stack([k1, k2, _hash.offset_from(index_offset), jnp.zeros((), _U32)])
+
+
+def bits_from_keys(position: jax.Array, keys_ref) -> jax.Array:
+  """Inside a kernel: the random bits of the elements at `position` (uint32), i.e. of flat
+  index ``keys_ref[2] + position`` (wrapping) in the stream (keys_ref[0], keys_ref[1])."""
+  return _hash.bits_at(position + keys_ref[2], keys_ref[0], keys_ref[1])
 
 
 def check_size(n: int) -> None:
@@ -55,9 +76,9 @@ def compiler_params(interpret: bool):
 
 
 def _round_kernel(keys_ref, x_ref, o_ref, *, n, block_size, fi):
-  index, in_bounds = block_indices(block_size, n)
+  position, in_bounds = block_indices(block_size, n)
   x = plgpu.load(x_ref, mask=in_bounds, other=0)
-  rbits = _hash.bits_at(index, keys_ref[0], keys_ref[1])
+  rbits = bits_from_keys(position, keys_ref)
   plgpu.store(o_ref, _reference.encode(x, rbits, fi), mask=in_bounds)
 
 
@@ -70,7 +91,7 @@ def _round(x, keys, *, dtype, block_size, interpret):
   bits = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(n, block_size),),
-      in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
+      in_specs=[pl.BlockSpec((KEYS_SIZE,), lambda i: (0,)),
                 pl.BlockSpec((block_size,), lambda i: (i,))],
       out_specs=pl.BlockSpec((block_size,), lambda i: (i,)),
       out_shape=jax.ShapeDtypeStruct((n,), _reference.bits_dtype(fi)),
@@ -81,7 +102,7 @@ def _round(x, keys, *, dtype, block_size, interpret):
   return _reference.decode(bits, fi).reshape(x.shape)
 
 
-def stochastic_round_pallas(x: jax.Array, dtype: Any, key, step=0, *,
+def stochastic_round_pallas(x: jax.Array, dtype: Any, key, step=0, *, index_offset=0,
                             block_size: int = BLOCK_SIZE,
                             interpret: bool | None = None) -> jax.Array:
   """Pallas kernel for `stochastic_round`: bit-identical to `stochastic_round_reference`.
@@ -91,6 +112,10 @@ def stochastic_round_pallas(x: jax.Array, dtype: Any, key, step=0, *,
     dtype: bf16, f16, e4m3 or e5m2 (dtype or name).
     key: int, uint32 scalar or jax.random key.
     step: step counter (uint32-convertible, may be traced).
+    index_offset: flat index of `x`'s first element (uint32, wrapping; an int in
+      [0, 2**32) or an integer scalar array, may be traced): element i draws the bits of
+      index ``index_offset + i``, as in `stochastic_round_reference`. A runtime value:
+      shards with different offsets share one compiled kernel.
     block_size: elements per program (a power of two for the Triton lowering).
     interpret: None picks compiled on GPU and interpret mode elsewhere.
 
@@ -103,10 +128,9 @@ def stochastic_round_pallas(x: jax.Array, dtype: Any, key, step=0, *,
   check_size(x.size)
   if block_size < 1 or block_size & (block_size - 1):
     raise ValueError(f"block_size={block_size}; accepted: a power of two")
+  keys = kernel_keys(_hash.seed_from(key), step, index_offset)
   if x.size == 0:
     return jnp.zeros(x.shape, fi.dtype)
-  k1, k2 = _hash.stream_keys(_hash.seed_from(key), step)
-  keys = jnp.stack([k1, k2])
   if interpret is None:
     interpret = default_interpret()
   return _round(x, keys, dtype=np.dtype(fi.dtype), block_size=block_size,

@@ -155,7 +155,8 @@ def round_bits(x: jax.Array, rbits: jax.Array, fi: formats.FormatInfo) -> jax.Ar
   return decode(encode(x, rbits, fi), fi)
 
 
-def stochastic_round_reference(x: jax.Array, dtype: Any, seed, step=0) -> jax.Array:
+def stochastic_round_reference(x: jax.Array, dtype: Any, seed, step=0, *,
+                               index_offset=0) -> jax.Array:
   """XLA reference: stochastically rounds `x` to `dtype` with bits from (seed, step, index).
 
   Args:
@@ -164,6 +165,11 @@ def stochastic_round_reference(x: jax.Array, dtype: Any, seed, step=0) -> jax.Ar
     dtype: bf16, f16, e4m3 (float8_e4m3fn) or e5m2, as a dtype or a name.
     seed: int, uint32 scalar or jax.random key; see `_hash.seed_from`.
     step: uint32-convertible step counter.
+    index_offset: added (uint32, wrapping) to every flat index: the element at row-major
+      position i of `x` draws the bits of index ``index_offset + i``. An int in [0, 2**32)
+      or an integer scalar array (may be traced). Rounding a contiguous slice ``x[a:b]`` of
+      a flat array with ``index_offset=a`` gives exactly ``result[a:b]`` of rounding all of
+      it (how ZeRO shards round as the unsharded update does).
 
   Returns:
     An array of `dtype` and `x`'s shape.
@@ -171,5 +177,5 @@ def stochastic_round_reference(x: jax.Array, dtype: Any, seed, step=0) -> jax.Ar
   fi = target_info(dtype)
   x = jnp.asarray(x)
   check_input(x, fi)
-  rbits = _hash.random_bits(_hash.seed_from(seed), step, x.shape)
+  rbits = _hash.random_bits(_hash.seed_from(seed), step, x.shape, index_offset)
   return round_bits(x, rbits, fi)
