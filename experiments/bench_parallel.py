@@ -2,7 +2,8 @@
 
 For an MLP (quick: ~0.09M params, full: ~6.3M) and the fp32 and bf16_master recipes, each
 stage's step is compiled with `precision.parallel.data_parallel` and reported side by
-side: params and optimizer-state bytes each device holds (from the compiled shardings),
+side (row "3L": stage 3 with `gather="layer"`, params gathered layer by layer and
+re-gathered in backward): params and optimizer-state bytes each device holds (from the compiled shardings),
 the ZeRO paper's model of the same, temporaries from `memory_analysis()`, and the bytes
 one device sends per step (ring algorithm) in the compiled executable and in the lowered
 program (CPU widens 16-bit collectives to f32; the lowered dtypes are what NCCL moves).
@@ -57,6 +58,34 @@ def _loss(params, batch):
   return jnp.mean(jnp.square(y - batch["y"]))
 
 
+def _layers(params, x):
+  """The same MLP as three ZeRO-3 layers (`gathered_layer`), for stage 3 gather="layer"."""
+  f32 = jnp.float32
+
+  def first(p, x):
+    dt = p["w1"].dtype
+    h = jnp.dot(x.astype(dt), p["w1"], preferred_element_type=f32)
+    return jnp.tanh(h + p["b1"].astype(f32)[None, :]).astype(dt)
+
+  def hidden(p, h):
+    return jnp.tanh(jnp.dot(h, p["w2"], preferred_element_type=f32)).astype(p["w2"].dtype)
+
+  def last(p, h):
+    return jnp.dot(h.astype(p["w3"].dtype), p["w3"], preferred_element_type=f32)
+
+  h = parallel.gathered_layer(first)({"w1": params["w1"], "b1": params["b1"]}, x)
+  h = parallel.gathered_layer(hidden)({"w2": params["w2"]}, h)
+  return parallel.gathered_layer(last)({"w3": params["w3"]}, h)
+
+
+def _layered_loss(params, batch):
+  return jnp.mean(jnp.square(_layers(params, batch["x"]) - batch["y"]))
+
+
+# (row label, zero_stage, gather): stage 3 both ways, "3L" = gathered layer by layer.
+CONFIGS = ((0, 0, "step"), (1, 1, "step"), (2, 2, "step"), (3, 3, "step"), ("3L", 3, "layer"))
+
+
 def run(quick: bool = True) -> dict:
   """Compiles every (recipe, stage) step; returns {"rows": [...], "param_count": int}."""
   if jax.device_count() < DEVICES:
@@ -68,9 +97,10 @@ def run(quick: bool = True) -> dict:
   rows = []
   with jax.numpy_dtype_promotion("strict"):
     for recipe in ("fp32", "bf16_master"):
-      for stage in parallel.ZERO_STAGES:
-        dp = parallel.data_parallel(_loss, optax.adamw(1e-3), mesh, zero_stage=stage,
-                                    recipe=recipe)
+      for stage, zero_stage, gather in CONFIGS:
+        dp = parallel.data_parallel(_layered_loss if gather == "layer" else _loss,
+                                    optax.adamw(1e-3), mesh, zero_stage=zero_stage,
+                                    recipe=recipe, gather=gather)
         state = dp.init(params)
         gbatch = dp.shard_batch(batch)
         mem = dp.memory_report(state, gbatch)
@@ -99,7 +129,8 @@ def main(argv: list[str]) -> None:
     ratios = ", ".join(
         f"stage {s}: opt {by[recipe, s]['opt_KiB'] / s0['opt_KiB']:.3f}, params "
         f"{by[recipe, s]['params_KiB'] / s0['params_KiB']:.3f}, sent "
-        f"{by[recipe, s]['sent_KiB'] / s0['sent_KiB']:.3f}" for s in (1, 2, 3))
+        f"{by[recipe, s]['sent_KiB'] / s0['sent_KiB']:.3f}, temp "
+        f"{by[recipe, s]['temp_KiB'] / s0['temp_KiB']:.3f}" for s in (1, 2, 3, "3L"))
     print(f"{recipe} vs stage 0: {ratios}")
 
 

@@ -37,6 +37,7 @@ from flax import nnx
 
 from models.mlp import MLP
 from precision import ops
+from precision import parallel
 
 _F32 = jnp.float32
 
@@ -190,7 +191,11 @@ class GPT(nnx.Module):
   """Byte-level GPT: tokens [B, T] int32 -> logits [B, T, vocab_size].
 
   Logits come out in the dtype the policy gives `lm_head` (f32 without a policy); the
-  loss (`loss_fn`) upcasts to f32 in any case.
+  loss (`loss_fn`) upcasts to f32 in any case. The embedding, each block, the final norm
+  and the head are ZeRO-3 layers (`precision.parallel.call_layer`): under
+  `data_parallel(..., zero_stage=3, gather="layer")` with
+  ``loss_fn(params, tokens) = gpt.loss_fn(nnx.merge(graphdef, params, rest), tokens)``
+  they are gathered one at a time.
   """
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
@@ -206,10 +211,12 @@ class GPT(nnx.Module):
   def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
     if not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
       raise ValueError(f"GPT tokens must be integers, got {tokens_BxT.dtype}")
-    x_BxTxD = self.embed(tokens_BxT)
+    # Each call_layer is one ZeRO-3 layer under data_parallel(gather="layer"): its params
+    # are gathered when it runs and re-gathered in backward. Elsewhere it is module(x).
+    x_BxTxD = parallel.call_layer(self.embed, tokens_BxT)
     for block in self.blocks:
-      x_BxTxD = block(x_BxTxD)
-    return self.lm_head(self.final_norm(x_BxTxD))
+      x_BxTxD = parallel.call_layer(block, x_BxTxD)
+    return parallel.call_layer(self.lm_head, parallel.call_layer(self.final_norm, x_BxTxD))
 
 
 def loss_fn(model: GPT, tokens_BxT1: jax.Array) -> jax.Array:

@@ -42,7 +42,9 @@ def test_every_section_and_field(quick):
   assert res["rounding"]["sr_over_astype"] > 0 and res["rounding"]["fused_over_unfused"] > 0
   assert res["fp8"]["step_fp8_over_bf16"] > 0
   stages = {(r["recipe"], r["stage"]) for r in res["zero"]["rows"]}
-  assert stages == {(rc, s) for rc in ("fp32", "bf16_master") for s in (0, 1, 2, 3)}
+  assert stages == {(rc, s) for rc in ("fp32", "bf16_master") for s in (0, 1, 2, 3, "3L")}
+  temps = {(r["recipe"], r["stage"]): r["temp_KiB"] for r in res["zero"]["rows"]}
+  assert temps["bf16_master", "3L"] < temps["bf16_master", 3]   # layer by layer holds less
   assert "## ZeRO stages" in md and "## Policy wrapper" in md
 
 

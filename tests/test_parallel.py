@@ -19,7 +19,26 @@ from _parallel_worker import (GLOBAL_BATCH, LR, STEPS, STEPS_MP, loss_fn, make_b
                               make_params)
 
 STAGES = (0, 1, 2, 3)
+LAYER = "3layer"          # stage 3 with gather="layer" (layered_loss_fn)
 WORKER = os.path.join(os.path.dirname(__file__), "_parallel_worker.py")
+
+
+def _hidden(p, x):
+  dt = p["w1"].dtype
+  h = jnp.dot(x.astype(dt), p["w1"], preferred_element_type=jnp.float32)
+  return jnp.tanh(h + p["b1"].astype(jnp.float32)[None, :])
+
+
+def _output(p, h):
+  y = jnp.dot(h.astype(p["w2"].dtype), p["w2"], preferred_element_type=jnp.float32)
+  return y + p["b2"].astype(jnp.float32)[None, :]
+
+
+def layered_loss_fn(params, batch):
+  """loss_fn's model written as two ZeRO-3 layers (same math, same rounding)."""
+  h = parallel.gathered_layer(_hidden)({"w1": params["w1"], "b1": params["b1"]}, batch["x"])
+  y = parallel.gathered_layer(_output)({"w2": params["w2"], "b2": params["b2"]}, h)
+  return jnp.mean(jnp.square(y - batch["y"]))
 
 
 def rel_diff(a, b) -> float:
@@ -76,10 +95,13 @@ def runs(mesh):
       dp = parallel.data_parallel(loss_fn, optax.adamw(LR), mesh, zero_stage=stage,
                                   recipe=recipe)
       out[recipe, stage] = train(dp, snapshot=STEPS_MP)
+    dp = parallel.data_parallel(layered_loss_fn, optax.adamw(LR), mesh, zero_stage=3,
+                                recipe=recipe, gather="layer")
+    out[recipe, LAYER] = train(dp)
   return out
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES + (LAYER,))
 def test_fp32_matches_single_device(runs, stage):
   ref_losses, ref_params = runs["fp32", "ref"]
   run = runs["fp32", stage]
@@ -89,7 +111,7 @@ def test_fp32_matches_single_device(runs, stage):
     assert rel_diff(run["params"][k], ref_params[k]) <= 1e-6, k
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES + (LAYER,))
 def test_bf16_master_matches_single_device(runs, stage):
   ref_losses, ref_params = runs["bf16_master", "ref"]
   run = runs["bf16_master", stage]
@@ -165,8 +187,8 @@ def test_hlo_reduce_scatter_and_all_gather_in_stages_1_2(reports):
 def test_bytes_moved_per_stage_follow_zero_paper(reports):
   sent = {s: reports[s][1].sent_bytes for s in STAGES}
   # ZeRO paper sec. 7: stages 1-2 move what DP moves (2 Psi: reduce-scatter + all-gather
-  # = all-reduce). Stage 3 gathers each leaf once and keeps it for backward (no re-gather),
-  # so it moves 2 Psi too, where the paper's re-gathering FSDP moves 3 Psi.
+  # = all-reduce). Stage 3 with gather="step" gathers each leaf once and keeps it for
+  # backward, so it moves 2 Psi too; gather="layer" re-gathers: 3 Psi (tested below).
   assert sent[1] == sent[2]
   for s in (1, 3):
     assert sent[s] / sent[0] == pytest.approx(1.0, rel=0.02)
@@ -175,9 +197,11 @@ def test_bytes_moved_per_stage_follow_zero_paper(reports):
 def test_collectives_move_compute_and_reduce_dtypes(mesh):
   state_batch = None
   kinds = {}
-  for stage, reduce_dtype in ((3, "bf16"), (1, "f32")):
+  for stage, reduce_dtype in ((3, "bf16"), (LAYER, "bf16"), (1, "f32")):
     recipe = mp.get_recipe("bf16_mixed").replace(reduce_dtype=reduce_dtype)
-    dp = parallel.data_parallel(loss_fn, optax.adamw(LR), mesh, zero_stage=stage, recipe=recipe)
+    dp = parallel.data_parallel(layered_loss_fn if stage == LAYER else loss_fn,
+                                optax.adamw(LR), mesh, zero_stage=3 if stage == LAYER else stage,
+                                recipe=recipe, gather="layer" if stage == LAYER else "step")
     state = dp.init(make_params())
     state_batch = dp.shard_batch(make_batches(1)[0])
     c = dp.collective_report(state, state_batch, compiled=False)
@@ -185,7 +209,7 @@ def test_collectives_move_compute_and_reduce_dtypes(mesh):
                     for k in ("reduce-scatter", "all-gather")}
   # f32 params move bf16. (Lowered program: XLA's CPU backend widens 16-bit collectives to
   # f32 when it compiles; NCCL on GPU moves them as asked.)
-  assert kinds[3] == {"reduce-scatter": {"bf16"}, "all-gather": {"bf16"}}
+  assert kinds[3] == kinds[LAYER] == {"reduce-scatter": {"bf16"}, "all-gather": {"bf16"}}
   assert kinds[1] == {"reduce-scatter": {"f32"}, "all-gather": {"f32"}}
 
 
@@ -292,3 +316,142 @@ def test_bad_arguments(mesh):
     parallel.data_parallel(loss_fn, optax.sgd(0.1), mesh, axis_name="batch")
   with pytest.raises(ValueError, match="zero_stage=2 under pmap"):
     parallel.data_parallel_pmap(loss_fn, optax.sgd(0.1), zero_stage=2)
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16_master"])
+def test_layer_gather_bit_identical_to_step_gather(runs, recipe):
+  # Same GEMMs on the same gathered values, the same reduce-scatters: regathering in
+  # backward changes when params are fetched, not what is computed.
+  step, layer = runs[recipe, 3], runs[recipe, LAYER]
+  np.testing.assert_array_equal(layer["losses"], step["losses"])
+  for k in step["params"]:
+    np.testing.assert_array_equal(layer["params"][k], step["params"][k])
+
+
+# ---- ZeRO-3 layer by layer -------------------------------------------------------------
+DEEP_D = 256
+
+
+def _deep_params(layers: int):
+  r = np.random.default_rng(0)
+  # b has D + 3 elements (not divisible by 8; the layer reads the first D).
+  return {"layers": [{"w": (r.normal(size=(DEEP_D, DEEP_D)) / 16).astype(np.float32),
+                      "b": np.zeros((DEEP_D + 3,), np.float32)} for _ in range(layers)]}
+
+
+def _deep_layer(p, x):
+  h = jnp.dot(x.astype(p["w"].dtype), p["w"], preferred_element_type=jnp.float32)
+  return x + jnp.tanh(h + p["b"][:DEEP_D].astype(jnp.float32)[None, :])
+
+
+def _deep_loss(layered):
+  def loss(params, batch):
+    x = batch["x"]
+    for p in params["layers"]:
+      x = parallel.gathered_layer(_deep_layer)(p, x) if layered else _deep_layer(p, x)
+    return jnp.mean(jnp.square(x - batch["y"]))
+  return loss
+
+
+@pytest.fixture(scope="module")
+def deep_reports(mesh):
+  r = np.random.default_rng(1)
+  batch = {k: r.normal(size=(16, DEEP_D)).astype(np.float32) for k in ("x", "y")}
+  out = {}
+  for gather in ("step", "layer"):
+    for layers in (2, 6):
+      dp = parallel.data_parallel(_deep_loss(gather == "layer"), optax.adamw(LR), mesh,
+                                  zero_stage=3, recipe="fp32", gather=gather)
+      state = dp.init(_deep_params(layers))
+      gbatch = dp.shard_batch(batch)
+      out[gather, layers] = (dp.memory_report(state, gbatch),
+                             dp.collective_report(state, gbatch))
+  return out
+
+
+def test_layer_gather_holds_one_layer_at_a_time(deep_reports):
+  layer_bytes = (DEEP_D * DEEP_D + DEEP_D + 3) * 4
+  growth = {g: (deep_reports[g, 6][0].temp_bytes - deep_reports[g, 2][0].temp_bytes) / 4
+            for g in ("step", "layer")}
+  print({g: round(v / layer_bytes, 3) for g, v in growth.items()})
+  # gather="step": every extra layer adds its full gathered params to the temporaries.
+  assert growth["step"] >= layer_bytes
+  # gather="layer": an extra layer adds only sharded state (its grad shard, optimizer
+  # intermediates) and an activation: well under its full params.
+  assert growth["layer"] <= 0.5 * layer_bytes
+
+
+def test_layer_gather_regathers_in_backward(deep_reports):
+  for layers in (2, 6):
+    step, layer = deep_reports["step", layers][1], deep_reports["layer", layers][1]
+    leaves = 2 * layers
+    assert step.count("all-gather") == leaves and layer.count("all-gather") == 2 * leaves
+    assert step.count("reduce-scatter") == layer.count("reduce-scatter") == leaves
+    # ZeRO paper sec. 7.2.2: 3 Psi (gather, re-gather, reduce-scatter) against 2 Psi; the
+    # extra n elements per gather carry the ordering dependency (see _fsdp._gather_now).
+    assert layer.sent_bytes / step.sent_bytes == pytest.approx(1.5, rel=0.01)
+
+
+def test_gpt_layer_by_layer_matches_stage_0(mesh):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from models import gpt  # pylint: disable=g-import-not-at-top
+
+  model = gpt.GPT(gpt.CONFIGS["tiny"], rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, tokens):
+    return gpt.loss_fn(nnx.merge(graphdef, params, rest), tokens)
+
+  tokens = np.random.default_rng(0).integers(0, 256, size=(8, 33)).astype(np.int32)
+  out = {}
+  for stage, gather in ((0, "step"), (3, "layer")):
+    dp = parallel.data_parallel(loss, optax.adamw(1e-3), mesh, zero_stage=stage,
+                                recipe="fp32", gather=gather)
+    state = dp.init(jax.tree.map(np.asarray, params))
+    losses = []
+    for _ in range(2):
+      state, metrics = dp.step(state, dp.shard_batch(tokens))
+      losses.append(float(metrics["loss"]))
+    out[stage] = (np.array(losses), jax.tree.leaves(jax.tree.map(np.asarray, dp.params(state))),
+                  dp.collective_report(state, dp.shard_batch(tokens)))
+  assert rel_diff(out[3][0], out[0][0]) <= 1e-6
+  for a, b in zip(out[3][1], out[0][1]):
+    assert rel_diff(a, b) <= 1e-5
+  # embed + 2 blocks + final norm + head, each gathered forward and again in backward,
+  # except the embedding table: its gradient (a scatter-add of the cotangent) does not
+  # read the table, so XLA drops that re-gather as dead code.
+  n_leaves = len(out[0][1])
+  assert out[3][2].count("all-gather") == 2 * n_leaves - 1
+
+
+def test_layer_gather_errors(mesh):
+  with pytest.raises(ValueError, match="gather='layer' with zero_stage=1"):
+    parallel.data_parallel(loss_fn, optax.sgd(0.1), mesh, zero_stage=1, gather="layer")
+  with pytest.raises(ValueError, match="gather='block'"):
+    parallel.data_parallel(loss_fn, optax.sgd(0.1), mesh, zero_stage=3, gather="block")
+
+  def forgets_b2(params, batch):
+    h = parallel.gathered_layer(_hidden)({"w1": params["w1"], "b1": params["b1"]}, batch["x"])
+    w2 = parallel.gather(params["w2"])
+    return jnp.mean(jnp.dot(h, w2, preferred_element_type=jnp.float32))
+
+  batch = make_batches(1)[0]
+  dp = parallel.data_parallel(forgets_b2, optax.sgd(0.1), mesh, zero_stage=3, gather="layer")
+  state = dp.init(make_params())
+  with pytest.raises(ValueError, match=r"never gathered the params \[\"\['b2'\]\"\]"):
+    dp.step(state, dp.shard_batch(batch))
+  dp = parallel.data_parallel(loss_fn, optax.sgd(0.1), mesh, zero_stage=3, gather="layer")
+  with pytest.raises(TypeError, match="is a ZeRO-3 shard"):
+    dp.step(dp.init(make_params()), dp.shard_batch(batch))
+
+
+def test_layer_helpers_are_identity_without_shards():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  p = {k: jnp.asarray(v) for k, v in make_params().items()}
+  batch = make_batches(1)[0]
+  np.testing.assert_array_equal(layered_loss_fn(p, batch), loss_fn(p, batch))
+  assert parallel.gather(p) is not None and parallel.gather(p)["w1"] is p["w1"]
+  lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  x = jnp.ones((2, 4), jnp.float32)
+  np.testing.assert_array_equal(parallel.call_layer(lin, x), lin(x))

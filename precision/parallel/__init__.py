@@ -1,7 +1,9 @@
 """Data parallelism and ZeRO-1/2/3 with shard_map, in one process or many.
 
 `data_parallel(loss_fn, tx, mesh, zero_stage=..., recipe=...)` builds a jitted, donated
-train step whose every collective runs in the dtype the Recipe states; `data_parallel_pmap`
+train step whose every collective runs in the dtype the Recipe states; at stage 3 with
+`gather="layer"` a model marks its layers (`gathered_layer`, `call_layer`) and params are
+gathered layer by layer, re-gathered in backward; `data_parallel_pmap`
 runs stages 0-1 under `jax.pmap` with the same numbers; `MemoryReport` and
 `CollectiveReport` give per-device bytes held and moved per step.
 """
@@ -14,6 +16,11 @@ from precision.parallel._collectives import replicated_view
 from precision.parallel._data_parallel import DataParallel
 from precision.parallel._data_parallel import TrainState
 from precision.parallel._data_parallel import data_parallel
+from precision.parallel._fsdp import GATHER_MODES
+from precision.parallel._fsdp import ShardedParam
+from precision.parallel._fsdp import call_layer
+from precision.parallel._fsdp import gather
+from precision.parallel._fsdp import gathered_layer
 from precision.parallel._layout import LeafLayout
 from precision.parallel._layout import ParamLayout
 from precision.parallel._pmap import PmapDataParallel
@@ -29,18 +36,23 @@ __all__ = [
     "Collective",
     "CollectiveReport",
     "DataParallel",
+    "GATHER_MODES",
     "LeafLayout",
     "MemoryReport",
     "ParamLayout",
     "PmapDataParallel",
     "Reduction",
+    "ShardedParam",
     "TrainState",
     "ZERO_STAGES",
     "all_reduce_mean",
+    "call_layer",
     "collective_report",
     "data_parallel",
     "data_parallel_pmap",
+    "gather",
     "gather_view",
+    "gathered_layer",
     "reduce_scatter_mean",
     "replicated_view",
     "zero_formula",

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from precision._recipe import Recipe, get_recipe
 from precision.parallel import _report
 from precision.parallel._collectives import all_gather_flat
+from precision.parallel._fsdp import GATHER_MODES
 from precision.parallel._layout import ParamLayout, unflatten
 from precision.parallel._step import (
     ZERO_STAGES, OptimizerHooks, StepConfig, local_init, local_step, plain_optax_hooks,
@@ -49,10 +50,15 @@ def recipe_hooks(recipe: Recipe | str, inner: optax.GradientTransformation, *, s
 
 
 def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices: int,
-                seed: int) -> StepConfig:
+                seed: int, gather: str = "step") -> StepConfig:
   """Validates the arguments shared by `data_parallel` and `data_parallel_pmap`."""
   if zero_stage not in ZERO_STAGES:
     raise ValueError(f"zero_stage={zero_stage!r}; accepted: 0, 1, 2, 3")
+  if gather not in GATHER_MODES:
+    raise ValueError(f"gather={gather!r}; accepted: {', '.join(map(repr, GATHER_MODES))}")
+  if gather == "layer" and zero_stage != 3:
+    raise ValueError(f"gather='layer' with zero_stage={zero_stage}; layer-by-layer "
+                     "gathering shards params, accepted only with zero_stage=3")
   if not isinstance(tx, optax.GradientTransformation):
     raise ValueError(f"tx={tx!r}; accepted: an optax.GradientTransformation")
   if recipe is None:
@@ -68,7 +74,7 @@ def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices
     compute_dtype, reduce_dtype = recipe.policy.compute_dtype, recipe.reduce_dtype
   return StepConfig(loss_fn=loss_fn, tx=tx, hooks=hooks, zero_stage=zero_stage,
                     axis_name=axis_name, devices=devices, compute_dtype=compute_dtype,
-                    reduce_dtype=reduce_dtype)
+                    reduce_dtype=reduce_dtype, gather=gather)
 
 
 def opt_state_specs(cfg: StepConfig, layout: ParamLayout):
@@ -197,7 +203,8 @@ class DataParallel:
 
 def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation,
                   mesh: Mesh, *, zero_stage: int = 0, recipe: Recipe | str | None = None,
-                  axis_name: str = "data", seed: int = 0, donate: bool = True) -> DataParallel:
+                  axis_name: str = "data", seed: int = 0, donate: bool = True,
+                  gather: str = "step") -> DataParallel:
   """Data-parallel training with ZeRO stage 0-3 on `mesh`'s `axis_name` axis (shard_map).
 
   - stage 0: grads all-reduced (mean); full optimizer state on every device.
@@ -205,8 +212,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTr
     backward pass; each device updates its shard; new params all-gathered.
   - stage 2: as 1, but each leaf's grad is reduce-scattered inside the backward pass, so
     no full-size gradient outlives its reduction. Bit-identical to stage 1.
-  - stage 3 (FSDP): params sharded too; gathered in the compute dtype for forward and
-    backward (a bf16 recipe moves bf16); their cotangents reduce-scattered.
+  - stage 3 (FSDP): params sharded too; gathered in the compute dtype (a bf16 recipe
+    moves bf16), their cotangents reduce-scattered. `gather="step"`: every leaf once per
+    step, before loss_fn reads it, the gathered copy kept for backward (2 Psi of traffic,
+    full params alive through the step; works with any loss_fn). `gather="layer"`:
+    loss_fn gets `ShardedParam` leaves and marks its layers with
+    `precision.parallel.gathered_layer` / `call_layer`; each layer's params are gathered
+    when it runs and re-gathered in backward (3 Psi, one layer's params alive at a time).
   Leaves are flattened and zero-padded to a multiple of the device count (never refused).
   The same code runs in one process or many (`jax.distributed`): pass a mesh over
   `jax.devices()` and global batches from `DataParallel.shard_batch`.
@@ -227,6 +239,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTr
     axis_name: the data axis.
     seed: the optimizer's stochastic-rounding seed (identical on every rank).
     donate: donate the state to the step.
+    gather: stage 3 only: "step" or "layer" (see above).
 
   Returns:
     A `DataParallel` with `init`, `step`, `params`, `shard_batch`, `memory_report`,
@@ -242,6 +255,6 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTr
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; accepted: "
                      f"{', '.join(map(str, mesh.axis_names))}")
   cfg = step_config(loss_fn, tx, zero_stage=zero_stage, recipe=recipe, axis_name=axis_name,
-                    devices=int(mesh.shape[axis_name]), seed=seed)
+                    devices=int(mesh.shape[axis_name]), seed=seed, gather=gather)
   param_dtype = None if recipe is None else get_recipe(recipe).policy.param_dtype
   return DataParallel(cfg, mesh, param_dtype=param_dtype, donate=donate)

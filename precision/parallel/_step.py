@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from precision.parallel import _collectives as coll
+from precision.parallel import _fsdp
 from precision.parallel._layout import ParamLayout, flatten_pad, own_shard, unflatten
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -75,6 +76,7 @@ class StepConfig:
   devices: int
   compute_dtype: np.dtype | None   # None: each leaf computes in its own dtype
   reduce_dtype: np.dtype | None    # None: each leaf is reduced in its own dtype
+  gather: str = "step"             # stage 3: "step" (once per step) or "layer" (_fsdp)
 
   def reduction(self, leaf) -> coll.Reduction:
     reduce_dtype = self.reduce_dtype or leaf.dtype
@@ -105,6 +107,26 @@ def _scaled_loss(cfg: StepConfig, scale: jax.Array, batch):
   return f
 
 
+def _sharded_params(cfg: StepConfig, layout: ParamLayout, wide):
+  """The params pytree of `_fsdp.ShardedParam`s loss_fn gets under gather="layer"."""
+  leaves = layout.treedef.flatten_up_to(wide)
+  return layout.treedef.unflatten(
+      [_fsdp.ShardedParam(w, lay, cfg.reduction(lay), i)
+       for i, (lay, w) in enumerate(zip(layout.leaves, leaves))])
+
+
+def _check_all_gathered(layout: ParamLayout, gathered: set) -> None:
+  """A leaf loss_fn never gathered would silently get a zero gradient: refuse it."""
+  paths = [jax.tree_util.keystr(path) for path, _ in
+           jax.tree_util.tree_flatten_with_path(layout.treedef.unflatten(
+               range(len(layout.leaves))))[0]]
+  missing = [paths[i] for i in range(len(paths)) if i not in gathered]
+  if missing:
+    raise ValueError(
+        f"gather='layer': loss_fn never gathered the params {missing}; read every leaf "
+        "through precision.parallel.gather, gathered_layer or call_layer")
+
+
 def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch):
   """Per device: one training step. Returns (params, opt_state, metrics)."""
   stage, red = cfg.zero_stage, cfg.reduction
@@ -130,13 +152,18 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch):
       full_flat = layout.map(lambda lay, p: flatten_pad(to_compute(lay, p), lay), params)
       view = lambda lay, w, f: unflatten(coll.replicated_view(w, f, red(lay)), lay)
       loss_of_shards = lambda w: loss_of(layout.map(view, w, full_flat))
-    else:
+    elif cfg.gather == "step":
       # Each leaf is gathered once per step, where loss_fn first reads it; the gathered
       # copy is a residual of the backward pass (no re-gather: 2 Psi of traffic, not the
-      # ZeRO paper's 3 Psi; a model that remats its layers re-gathers inside them).
+      # ZeRO paper's 3 Psi). gather="layer" re-gathers layer by layer instead.
       view = lambda lay, w: unflatten(coll.gather_view(w, red(lay)), lay)
       loss_of_shards = lambda w: loss_of(layout.map(view, w))
-    scaled_loss, grads = jax.value_and_grad(loss_of_shards)(wide)
+    else:
+      loss_of_shards = lambda w: loss_of(_sharded_params(cfg, layout, w))
+    with _fsdp.recording() as gathered:
+      scaled_loss, grads = jax.value_and_grad(loss_of_shards)(wide)
+    if stage == 3 and cfg.gather == "layer":
+      _check_all_gathered(layout, gathered)
 
   updates, opt_state = cfg.tx.update(grads, opt_state, shards)
   shards = cfg.hooks.apply_updates(shards, updates)
