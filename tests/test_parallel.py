@@ -455,3 +455,79 @@ def test_layer_helpers_are_identity_without_shards():
   lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
   x = jnp.ones((2, 4), jnp.float32)
   np.testing.assert_array_equal(parallel.call_layer(lin, x), lin(x))
+
+
+# ---- fp8 scaling state across ranks ------------------------------------------------------
+def _fp8_setup():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  recipe = mp.get_recipe("fp8_hybrid").replace(
+      fp8=mp.Fp8Config(scaling="delayed", amax_history_len=4))
+  model = nnx.Sequential(nnx.Linear(16, 32, use_bias=False, rngs=nnx.Rngs(0)),
+                         nnx.Linear(32, 8, use_bias=False, rngs=nnx.Rngs(1)))
+  mp.flax.apply_recipe(model, recipe)      # bf16 policy GEMMs, then fp8 ones
+  graphdef, params, fp8_state = nnx.split(model, nnx.Param, mp.fp8.Fp8State)
+
+  def loss(params, fp8_state, batch):
+    m = nnx.merge(graphdef, params, fp8_state)
+    y = m(batch["x"]).astype(jnp.float32)
+    return jnp.mean(jnp.square(y - batch["y"])), nnx.state(m, mp.fp8.Fp8State)
+
+  r = np.random.default_rng(3)
+  x = r.normal(size=(GLOBAL_BATCH, 16)).astype(np.float32)
+  x *= np.repeat(np.arange(1, 9, dtype=np.float32), GLOBAL_BATCH // 8)[:, None]  # rank r: ~r
+  batch = {"x": x, "y": r.normal(size=(GLOBAL_BATCH, 8)).astype(np.float32)}
+  return recipe, model, params, fp8_state, loss, batch
+
+
+def _amax(state, layer, op):
+  return np.asarray(state["layers"][layer]["dot_general"][f"{op}_amax_history"][...])
+
+
+def test_fp8_state_synchronised_in_every_stage(mesh):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  recipe, model, params, fp8_state, loss, batch = _fp8_setup()
+  # Reference: one device, the global batch, precision.fp8.value_and_grad.
+  # (data_parallel hands loss_fn the params in the compute dtype: so does the reference.)
+  ref = nnx.clone(model)
+  nnx.update(ref, recipe.policy.cast_to_compute(nnx.state(ref, nnx.Param)))
+  mp.fp8.value_and_grad(lambda m: loss(nnx.state(m, nnx.Param), nnx.state(m, mp.fp8.Fp8State),
+                                       batch)[0])(ref)
+  ref_state = nnx.state(ref, mp.fp8.Fp8State)
+  states = {}
+  for stage in STAGES:
+    dp = parallel.data_parallel(loss, optax.adamw(LR), mesh, zero_stage=stage, recipe=recipe,
+                                fp8_state=True)
+    state = dp.init(jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, fp8_state))
+    state, metrics = dp.step(state, dp.shard_batch(batch))
+    assert np.isfinite(float(metrics["loss"]))
+    for leaf in jax.tree.leaves(state.fp8_state):     # one value on every device
+      first = np.asarray(leaf.addressable_shards[0].data)
+      for shard in leaf.addressable_shards[1:]:
+        np.testing.assert_array_equal(np.asarray(shard.data), first)
+    states[stage] = state.fp8_state
+  for stage in STAGES:
+    for layer in (0, 1):
+      # Forward operands: the synchronised amax is the global batch's (the max over the
+      # ranks' slices), exactly what one device computes on the whole batch.
+      for op in ("lhs", "rhs"):
+        np.testing.assert_array_equal(_amax(states[stage], layer, op), _amax(ref_state, layer, op))
+      # Gradient operand: each rank differentiates the mean over ITS 4 rows, so its output
+      # cotangent is 8x the one of the mean over 32 rows (exact: a power of two).
+      np.testing.assert_array_equal(_amax(states[stage], layer, "grad"),
+                                    8 * _amax(ref_state, layer, "grad"))
+  # Rank 0 alone saw inputs ~8x smaller: without the sync its history would disagree.
+  x0 = batch["x"][:GLOBAL_BATCH // 8]
+  assert _amax(states[1], 0, "lhs")[0] > 4 * float(np.max(np.abs(x0)))
+
+
+def test_fp8_state_arguments(mesh):
+  recipe, _, params, fp8_state, loss, _ = _fp8_setup()
+  with pytest.raises(ValueError, match="gather='layer' with fp8_state=True"):
+    parallel.data_parallel(loss, optax.sgd(0.1), mesh, zero_stage=3, recipe=recipe,
+                           gather="layer", fp8_state=True)
+  dp = parallel.data_parallel(loss, optax.sgd(0.1), mesh, zero_stage=1, recipe=recipe,
+                              fp8_state=True)
+  with pytest.raises(ValueError, match="init\\(fp8_state=None\\)"):
+    dp.init(jax.tree.map(np.asarray, params))

@@ -34,6 +34,7 @@ from precision.fp8._nnx import Fp8State
 from precision.fp8._nnx import apply_fp8
 from precision.fp8._nnx import einsum_dimension_numbers
 from precision.fp8._nnx import fp8_modules
+from precision.fp8._nnx import merge_grad_state
 from precision.fp8._nnx import update_fp8_grad_state
 from precision.fp8._nnx import value_and_grad
 from precision.fp8._scaling import OperandRecipe
@@ -58,6 +59,7 @@ __all__ = [
     "fp8_dot_general",
     "fp8_metrics",
     "fp8_modules",
+    "merge_grad_state",
     "merge_fp8_grad_state",
     "quantize",
     "scale_from_amax",

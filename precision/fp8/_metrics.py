@@ -61,6 +61,7 @@ def sync_fp8_state(state: Any, axis_name: Any) -> Any:
   data saturates where another's would not); saturation/underflow counts are summed. Run
   it on the new state at the end of each step, e.g.
   ``nnx.update(model, sync_fp8_state(nnx.state(model, Fp8State), "data"))``.
+  `precision.parallel.data_parallel(..., fp8_state=True)` does it in every step.
 
   Args:
     state: `nnx.state(model, precision.fp8.Fp8State)`, a Linen fp8 collection, or an

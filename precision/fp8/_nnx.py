@@ -234,6 +234,30 @@ def update_fp8_grad_state(module: nnx.Module, grads: nnx.State) -> nnx.State:
   return nnx.filter_state(grads, nnx.Not(Fp8GradState))
 
 
+def merge_grad_state(state: nnx.State, state_grads: nnx.State) -> nnx.State:
+  """The fp8 scaling state after a functional step (`jax.value_and_grad`, no module).
+
+  Args:
+    state: ``nnx.state(model, Fp8State)`` read back from the model after its forward pass:
+      the forward operands' `Fp8State` is new there, the `Fp8GradState` still old.
+    state_grads: the gradient of the loss with respect to the fp8 state passed in (the
+      same structure): for `Fp8GradState` it carries the new gradient-operand state.
+
+  Returns:
+    `state` with every `Fp8GradState` variable taken from `state_grads`.
+
+  Examples:
+    >>> def loss(params, fp8_state, x):
+    ...   m = nnx.merge(graphdef, params, fp8_state)
+    ...   return jnp.mean(m(x) ** 2), nnx.state(m, Fp8State)
+    >>> (l, new), (g, g_state) = jax.value_and_grad(loss, (0, 1), has_aux=True)(p, s, x)
+    >>> s = merge_grad_state(new, g_state)
+  """
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  pick = lambda new, grad: grad if isinstance(new, Fp8GradState) else new
+  return jax.tree.map(pick, state, state_grads, is_leaf=is_var)
+
+
 def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
   """`nnx.value_and_grad` of ``fn(model, *args)`` for models with fp8 GEMMs.
 

@@ -22,7 +22,7 @@ from precision.parallel._step import (
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["params", "opt_state"], meta_fields=["layout"])
+                   data_fields=["params", "opt_state", "fp8_state"], meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class TrainState:
   """What a data-parallel step carries: params, optimizer state and their layout.
@@ -32,11 +32,15 @@ class TrainState:
   opt_state: the optimizer's state, replicated (stage 0) or built on flat shards, its
     per-parameter leaves sharded over the data axis (stages 1-3).
   layout: static shapes/dtypes/shard sizes of the params (see `ParamLayout`).
+  fp8_state: with `data_parallel(..., fp8_state=True)`, the fp8 scaling state
+    (``nnx.state(model, precision.fp8.Fp8State)``), replicated and identical on every
+    device; None otherwise.
   """
 
   params: Any
   opt_state: Any
   layout: ParamLayout
+  fp8_state: Any = None
 
 
 def recipe_hooks(recipe: Recipe | str, inner: optax.GradientTransformation, *, seed: int,
@@ -50,12 +54,16 @@ def recipe_hooks(recipe: Recipe | str, inner: optax.GradientTransformation, *, s
 
 
 def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices: int,
-                seed: int, gather: str = "step") -> StepConfig:
+                seed: int, gather: str = "step", fp8_state: bool = False) -> StepConfig:
   """Validates the arguments shared by `data_parallel` and `data_parallel_pmap`."""
   if zero_stage not in ZERO_STAGES:
     raise ValueError(f"zero_stage={zero_stage!r}; accepted: 0, 1, 2, 3")
   if gather not in GATHER_MODES:
     raise ValueError(f"gather={gather!r}; accepted: {', '.join(map(repr, GATHER_MODES))}")
+  if gather == "layer" and fp8_state:
+    raise ValueError("gather='layer' with fp8_state=True; a layer's fp8 scaling state would "
+                     "be updated inside its re-gathered custom VJP and lost; accepted: "
+                     "gather='step' for fp8 models")
   if gather == "layer" and zero_stage != 3:
     raise ValueError(f"gather='layer' with zero_stage={zero_stage}; layer-by-layer "
                      "gathering shards params, accepted only with zero_stage=3")
@@ -74,7 +82,7 @@ def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices
     compute_dtype, reduce_dtype = recipe.policy.compute_dtype, recipe.reduce_dtype
   return StepConfig(loss_fn=loss_fn, tx=tx, hooks=hooks, zero_stage=zero_stage,
                     axis_name=axis_name, devices=devices, compute_dtype=compute_dtype,
-                    reduce_dtype=reduce_dtype, gather=gather)
+                    reduce_dtype=reduce_dtype, gather=gather, fp8_state=fp8_state)
 
 
 def opt_state_specs(cfg: StepConfig, layout: ParamLayout):
@@ -106,8 +114,9 @@ class DataParallel:
   """A data-parallel (ZeRO stage 0-3) trainer on a Mesh; build it with `data_parallel`.
 
   Attributes:
-    init: `init(params) -> TrainState`, params a pytree of full floating arrays (numpy or
-      jax, identical on every process); cast to the recipe's param dtype and placed.
+    init: `init(params, fp8_state=None) -> TrainState`, params a pytree of full floating
+      arrays (numpy or jax, identical on every process); cast to the recipe's param dtype
+      and placed. `fp8_state`: the model's fp8 scaling state, with `fp8_state=True` only.
     step: `step(state, batch) -> (state, metrics)`, jitted, `state` donated. `batch` is
       the GLOBAL batch (leading axis split over the data axis); in multi-process runs
       build it with `shard_batch`. metrics: f32 "loss" (mean over all devices) plus
@@ -125,7 +134,13 @@ class DataParallel:
     return (P(self.axis_name) if self.zero_stage == 3 else P(),
             opt_state_specs(self.cfg, layout))
 
-  def init(self, params) -> TrainState:
+  def init(self, params, fp8_state=None) -> TrainState:
+    """`TrainState` from full params (and, with fp8_state=True, the fp8 scaling state)."""
+    if self.cfg.fp8_state != (fp8_state is not None):
+      raise ValueError(
+          f"init(fp8_state={'None' if fp8_state is None else '...'}) for a step built with "
+          f"fp8_state={self.cfg.fp8_state}; accepted: the model's "
+          "nnx.state(model, precision.fp8.Fp8State) exactly when fp8_state=True")
     replicated = NamedSharding(self.mesh, P())
 
     def place(x):
@@ -134,6 +149,7 @@ class DataParallel:
       return jax.device_put(np.asarray(x), replicated)
 
     params = jax.tree.map(place, params)
+    fp8_state = jax.tree.map(place, fp8_state)
     cast = lambda tree: jax.tree.map(
         lambda x: x.astype(self._param_dtype or x.dtype), tree)
     layout = ParamLayout.of(jax.eval_shape(cast, params), self.cfg.devices)
@@ -142,18 +158,20 @@ class DataParallel:
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=(p_spec, o_spec),
                        check_vma=False)
     p, o = jax.jit(fn)(params)
-    return TrainState(p, o, layout)
+    return TrainState(p, o, layout, fp8_state)
 
   def _step(self, state: TrainState, batch):
     layout = state.layout
     p_spec, o_spec = self._specs(layout)
-    body = lambda p, o, b: local_step(self.cfg, layout, p, o, b)
+    body = lambda p, o, f, b: local_step(self.cfg, layout, p, o, b, f)
     # check_vma=False: replicated outputs are replicated by construction (psum / pmean /
-    # all-gather results, or identical updates of identical replicated inputs).
-    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(p_spec, o_spec, P(self.axis_name)),
-                       out_specs=(p_spec, o_spec, P()), check_vma=False)
-    params, opt_state, metrics = fn(state.params, state.opt_state, batch)
-    return TrainState(params, opt_state, layout), metrics
+    # pmax / all-gather results, or identical updates of identical replicated inputs).
+    fn = jax.shard_map(body, mesh=self.mesh,
+                       in_specs=(p_spec, o_spec, P(), P(self.axis_name)),
+                       out_specs=(p_spec, o_spec, P(), P()), check_vma=False)
+    params, opt_state, fp8_state, metrics = fn(state.params, state.opt_state,
+                                               state.fp8_state, batch)
+    return TrainState(params, opt_state, layout, fp8_state), metrics
 
   def _full_params(self, state: TrainState):
     if self.zero_stage != 3:
@@ -204,7 +222,7 @@ class DataParallel:
 def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation,
                   mesh: Mesh, *, zero_stage: int = 0, recipe: Recipe | str | None = None,
                   axis_name: str = "data", seed: int = 0, donate: bool = True,
-                  gather: str = "step") -> DataParallel:
+                  gather: str = "step", fp8_state: bool = False) -> DataParallel:
   """Data-parallel training with ZeRO stage 0-3 on `mesh`'s `axis_name` axis (shard_map).
 
   - stage 0: grads all-reduced (mean); full optimizer state on every device.
@@ -240,6 +258,13 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTr
     seed: the optimizer's stochastic-rounding seed (identical on every rank).
     donate: donate the state to the step.
     gather: stage 3 only: "step" or "layer" (see above).
+    fp8_state: the model has fp8 GEMMs (`precision.fp8.apply_fp8`): `loss_fn` is then
+      ``loss_fn(params, fp8_state, local_batch) -> (loss, new_fp8_state)``, with
+      ``new_fp8_state = nnx.state(model, precision.fp8.Fp8State)`` read after the forward
+      pass, and `init(params, fp8_state)` takes the initial state. Each step takes the
+      gradient operand's new state from its cotangent (`precision.fp8.merge_grad_state`)
+      and makes the state agree across ranks (`precision.fp8.sync_fp8_state`: amax
+      histories max-reduced, so every rank derives the same delayed scale).
 
   Returns:
     A `DataParallel` with `init`, `step`, `params`, `shard_batch`, `memory_report`,
@@ -255,6 +280,7 @@ def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTr
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; accepted: "
                      f"{', '.join(map(str, mesh.axis_names))}")
   cfg = step_config(loss_fn, tx, zero_stage=zero_stage, recipe=recipe, axis_name=axis_name,
-                    devices=int(mesh.shape[axis_name]), seed=seed, gather=gather)
+                    devices=int(mesh.shape[axis_name]), seed=seed, gather=gather,
+                    fp8_state=fp8_state)
   param_dtype = None if recipe is None else get_recipe(recipe).policy.param_dtype
   return DataParallel(cfg, mesh, param_dtype=param_dtype, donate=donate)

@@ -47,7 +47,7 @@ class PmapDataParallel:
 
   def _compiled(self, layout: ParamLayout):
     if layout not in self._steps:
-      body = lambda p, o, b: local_step(self.cfg, layout, p, o, b)
+      body = lambda p, o, b: _drop_fp8_state(local_step(self.cfg, layout, p, o, b))
       self._steps[layout] = jax.pmap(body, self.axis_name, devices=self.devices,
                                      donate_argnums=(0, 1) if self._donate else ())
     return self._steps[layout]
@@ -73,6 +73,11 @@ class PmapDataParallel:
 
   def params(self, state: TrainState):
     return jax.tree.map(lambda x: x[0], state.params)
+
+
+def _drop_fp8_state(out):
+  params, opt_state, _, metrics = out   # pmap runs loss_fn(params, batch) only
+  return params, opt_state, metrics
 
 
 def data_parallel_pmap(loss_fn: Callable[[Any, Any], jax.Array],

@@ -5,7 +5,8 @@ many processes) and under `jax.pmap`. Values are per-device: params full (stages
 one flat shard per leaf (stage 3); optimizer state full (stage 0) or built on flat shards
 (stages 1-3); the batch is this device's slice of the global batch.
 
-Precision (see _collectives): loss_fn sees params in the compute dtype; the loss is
+Precision (see _collectives): loss_fn sees params in the compute dtype (and, with
+`fp8_state`, the replicated fp8 scaling state, synchronised after every step); the loss is
 multiplied by the loss scale in f32; grads are summed in the reduce dtype and divided by
 n in the wider of (param, reduce) dtype; the optimizer (with `axis_name` when it runs on
 shards) unscales, checks finiteness over the whole model and decides to skip alike on
@@ -77,6 +78,7 @@ class StepConfig:
   compute_dtype: np.dtype | None   # None: each leaf computes in its own dtype
   reduce_dtype: np.dtype | None    # None: each leaf is reduced in its own dtype
   gather: str = "step"             # stage 3: "step" (once per step) or "layer" (_fsdp)
+  fp8_state: bool = False          # loss_fn(params, fp8_state, batch) -> (loss, state)
 
   def reduction(self, leaf) -> coll.Reduction:
     reduce_dtype = self.reduce_dtype or leaf.dtype
@@ -102,9 +104,34 @@ def local_init(cfg: StepConfig, layout: ParamLayout, params):
 
 
 def _scaled_loss(cfg: StepConfig, scale: jax.Array, batch):
-  def f(compute_params):
-    return cfg.loss_fn(compute_params, batch).astype(jnp.float32) * scale
+  """``f(compute_params, fp8_state) -> (loss * scale in f32, new fp8 state or None)``."""
+
+  def f(compute_params, fp8_state):
+    if cfg.fp8_state:
+      loss, new_state = cfg.loss_fn(compute_params, fp8_state, batch)
+    else:
+      loss, new_state = cfg.loss_fn(compute_params, batch), None
+    return loss.astype(jnp.float32) * scale, new_state
+
   return f
+
+
+def _value_and_grad(f, x, fp8_state):
+  """Differentiates `f` w.r.t. the params AND the fp8 state: the cotangent of an fp8
+  gradient-operand state carries its new value (precision.fp8's custom VJP)."""
+  (loss, new_state), (grads, state_ct) = jax.value_and_grad(
+      f, argnums=(0, 1), has_aux=True)(x, fp8_state)
+  return loss, grads, (new_state, state_ct)
+
+
+def _next_fp8_state(cfg: StepConfig, new_state, state_ct):
+  """This step's fp8 scaling state, identical on every rank: the forward operands' state
+  as loss_fn returned it, the gradient operand's from its cotangent, then amax histories
+  and scales max-reduced over the axis (the largest amax any rank saw: no rank's data
+  saturates where another's would not) and the saturation counters summed."""
+  from precision import fp8  # pylint: disable=g-import-not-at-top  (optional layer)
+
+  return fp8.sync_fp8_state(fp8.merge_grad_state(new_state, state_ct), cfg.axis_name)
 
 
 def _sharded_params(cfg: StepConfig, layout: ParamLayout, wide):
@@ -127,15 +154,17 @@ def _check_all_gathered(layout: ParamLayout, gathered: set) -> None:
         "through precision.parallel.gather, gathered_layer or call_layer")
 
 
-def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch):
-  """Per device: one training step. Returns (params, opt_state, metrics)."""
+def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch,
+               fp8_state=None):
+  """Per device: one training step. Returns (params, opt_state, fp8_state, metrics)."""
   stage, red = cfg.zero_stage, cfg.reduction
   scale = cfg.hooks.loss_scale_of(opt_state).astype(jnp.float32)
   loss_of = _scaled_loss(cfg, scale, batch)
   to_compute = lambda lay, p: p.astype(red(lay).compute_dtype)
 
   if stage in (0, 1):
-    scaled_loss, grads = jax.value_and_grad(loss_of)(layout.map(to_compute, params))
+    scaled_loss, grads, fp8_out = _value_and_grad(loss_of, layout.map(to_compute, params),
+                                                  fp8_state)
     if stage == 0:
       grads = layout.map(lambda lay, g: coll.all_reduce_mean(g, red(lay)), grads)
       shards = params
@@ -151,17 +180,17 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch):
     if stage == 2:
       full_flat = layout.map(lambda lay, p: flatten_pad(to_compute(lay, p), lay), params)
       view = lambda lay, w, f: unflatten(coll.replicated_view(w, f, red(lay)), lay)
-      loss_of_shards = lambda w: loss_of(layout.map(view, w, full_flat))
+      loss_of_shards = lambda w, st: loss_of(layout.map(view, w, full_flat), st)
     elif cfg.gather == "step":
       # Each leaf is gathered once per step, where loss_fn first reads it; the gathered
       # copy is a residual of the backward pass (no re-gather: 2 Psi of traffic, not the
       # ZeRO paper's 3 Psi). gather="layer" re-gathers layer by layer instead.
       view = lambda lay, w: unflatten(coll.gather_view(w, red(lay)), lay)
-      loss_of_shards = lambda w: loss_of(layout.map(view, w))
+      loss_of_shards = lambda w, st: loss_of(layout.map(view, w), st)
     else:
-      loss_of_shards = lambda w: loss_of(_sharded_params(cfg, layout, w))
+      loss_of_shards = lambda w, st: loss_of(_sharded_params(cfg, layout, w), st)
     with _fsdp.recording() as gathered:
-      scaled_loss, grads = jax.value_and_grad(loss_of_shards)(wide)
+      scaled_loss, grads, fp8_out = _value_and_grad(loss_of_shards, wide, fp8_state)
     if stage == 3 and cfg.gather == "layer":
       _check_all_gathered(layout, gathered)
 
@@ -172,6 +201,8 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch):
         lambda lay, s: unflatten(coll.all_gather_flat(s, red(lay)), lay), shards)
   else:
     params = shards
+  if cfg.fp8_state:
+    fp8_state = _next_fp8_state(cfg, *fp8_out)
   loss = jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
   metrics = {"loss": loss, **cfg.hooks.metrics(opt_state)}
-  return params, opt_state, metrics
+  return params, opt_state, fp8_state, metrics
