@@ -219,7 +219,7 @@ class DataParallel:
     return _report.collective_report(text, self.cfg.devices)
 
 
-def data_parallel(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation,
+def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                   mesh: Mesh, *, zero_stage: int = 0, recipe: Recipe | str | None = None,
                   axis_name: str = "data", seed: int = 0, donate: bool = True,
                   gather: str = "step", fp8_state: bool = False) -> DataParallel:
