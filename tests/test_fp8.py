@@ -508,3 +508,32 @@ def test_linen_collections_and_grad_state_merge():
     assert np.count_nonzero(np.asarray(st[layer]["LinenFp8DotGeneral_0"]["lhs_amax_history"])) == 2
     assert np.count_nonzero(np.asarray(gs[layer]["LinenFp8DotGeneral_0"]["grad_amax_history"])) == 2
   assert float(gs["Dense_0"]["LinenFp8DotGeneral_0"]["grad_scale"]) != 1.0
+
+
+def test_merge_grad_state_functional_step_keeps_unused_gemms():
+  cfg = mp.Fp8Config(scaling="delayed", amax_history_len=4)
+  model = nnx.Sequential(nnx.Linear(8, 8, use_bias=False, rngs=nnx.Rngs(0)),
+                         nnx.Linear(8, 8, use_bias=False, rngs=nnx.Rngs(1)))
+  mp.fp8.apply_fp8(model, cfg)
+  graphdef, params, state = nnx.split(model, nnx.Param, mp.fp8.Fp8State)
+  x = jnp.asarray(np.random.default_rng(7).standard_normal((4, 8)), F32)
+
+  def loss(params, state):
+    m = nnx.merge(graphdef, params, state)
+    return jnp.sum(m.layers[0](x) ** 2), nnx.state(m, mp.fp8.Fp8State)  # layer 1 unused
+
+  (_, new), (_, cts) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, state)
+  merged = mp.fp8.merge_grad_state(new, cts)
+  assert jax.tree.structure(merged) == jax.tree.structure(state)
+  g0, g1 = (merged["layers"][i]["dot_general"] for i in (0, 1))
+  c0 = cts["layers"][0]["dot_general"]
+  assert float(c0["grad_scale"][...]) > 0                 # layer 0 ran: its new state
+  for name in ("grad_amax_history", "grad_scale"):
+    np.testing.assert_array_equal(g0[name][...], c0[name][...])
+    # layer 1 took no part: zero cotangent, its old state is kept (not zeroed)
+    np.testing.assert_array_equal(g1[name][...],
+                                  state["layers"][1]["dot_general"][name][...])
+  assert float(g1["grad_scale"][...]) > 0
+  # forward-operand state comes from the forward pass
+  np.testing.assert_array_equal(merged["layers"][0]["dot_general"]["lhs_amax_history"][...],
+                                new["layers"][0]["dot_general"]["lhs_amax_history"][...])

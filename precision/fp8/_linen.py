@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import flax.linen as nn
-import jax.numpy as jnp
 
 from precision._recipe import Fp8Config
 from precision.fp8 import _scaling as sc
@@ -74,8 +73,7 @@ def merge_fp8_grad_state(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict
     if isinstance(value, Mapping) and "grad_scale" not in value:
       out[key] = merge_fp8_grad_state(value, new[key])
     elif isinstance(value, Mapping):
-      used = new[key]["grad_scale"] > 0
-      out[key] = {f: jnp.where(used, new[key][f], v) for f, v in value.items()}
+      out[key] = sc.keep_unused_grad_state(value, new[key], "grad_scale")
     else:
       raise ValueError(f"merge_fp8_grad_state: {key!r} is not a module's fp8 grad state; "
                        "accepted: the 'fp8_grad_state' collection of a Linen model")

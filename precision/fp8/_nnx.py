@@ -107,10 +107,9 @@ class Fp8DotGeneral(nnx.Module):
     cotangents of this module's `Fp8GradState` Variables). A module that took no part in
     the differentiated computation gets zero cotangents (scale 0, never a real scale):
     its state is kept."""
-    used = new["scale"] > 0
-    for field in STATE_FIELDS:
-      var = getattr(self, f"grad_{field}")
-      var[...] = jnp.where(used, new[field], var[...])
+    old = {field: getattr(self, f"grad_{field}")[...] for field in STATE_FIELDS}
+    for field, value in sc.keep_unused_grad_state(old, new, "scale").items():
+      getattr(self, f"grad_{field}")[...] = value
 
 
 def einsum_dimension_numbers(eqn: str, lhs_shape, rhs_shape):
@@ -244,7 +243,9 @@ def merge_grad_state(state: nnx.State, state_grads: nnx.State) -> nnx.State:
       same structure): for `Fp8GradState` it carries the new gradient-operand state.
 
   Returns:
-    `state` with every `Fp8GradState` variable taken from `state_grads`.
+    `state` with every `Fp8GradState` variable taken from `state_grads`, except for GEMMs
+    that took no part in the step (zero cotangent): their old state is kept, as in
+    `Fp8DotGeneral.update_grad_state`.
 
   Examples:
     >>> def loss(params, fp8_state, x):
@@ -253,9 +254,19 @@ def merge_grad_state(state: nnx.State, state_grads: nnx.State) -> nnx.State:
     >>> (l, new), (g, g_state) = jax.value_and_grad(loss, (0, 1), has_aux=True)(p, s, x)
     >>> s = merge_grad_state(new, g_state)
   """
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  pick = lambda new, grad: grad if isinstance(new, Fp8GradState) else new
-  return jax.tree.map(pick, state, state_grads, is_leaf=is_var)
+  flat = [(tuple(path), var) for path, var in nnx.to_flat_state(state)]
+  cts = {tuple(path): var[...] for path, var in nnx.to_flat_state(state_grads)}
+  gemms: dict[tuple, dict[str, Any]] = {}   # GEMM path -> its grad-state leaf names
+  for path, var in flat:
+    if isinstance(var, Fp8GradState):
+      gemms.setdefault(path[:-1], {})[path[-1]] = var[...]
+  merged = {}
+  for gemm, old in gemms.items():
+    new = {name: cts[gemm + (name,)] for name in old}
+    for name, value in sc.keep_unused_grad_state(old, new, "grad_scale").items():
+      merged[gemm + (name,)] = value
+  return nnx.from_flat_state(
+      [(path, var.replace(merged[path]) if path in merged else var) for path, var in flat])
 
 
 def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:

@@ -22,7 +22,7 @@ operand is [B, R, C] with the contraction over R.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -240,3 +240,15 @@ def record_scale(scale: jax.Array) -> jax.Array:
   """The per-tensor scale stored in state: the largest of a grid (the tensor amax's)."""
   return jnp.max(scale).astype(_F32)
 
+
+
+def keep_unused_grad_state(old: Mapping[str, jax.Array], new: Mapping[str, jax.Array],
+                           scale_key: str) -> dict[str, jax.Array]:
+  """One GEMM's gradient-operand state after a differentiation that carried it out as the
+  cotangent `new` (same keys as `old`; `scale_key` names the scale among them).
+
+  A GEMM that took no part in the differentiated computation gets zero cotangents, scale 0
+  (never a real scale): its `old` state is kept rather than zeroed.
+  """
+  used = new[scale_key] > 0
+  return {k: jnp.where(used, new[k], v) for k, v in old.items()}
