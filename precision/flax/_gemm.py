@@ -50,8 +50,9 @@ def _target_aval(like: jax.Array, dtype: np.dtype):
 # ----------------------------------------------------------------------------- CPU
 
 
-def _on_platform(args, accelerator, cpu):
-  """`accelerator(*args)` on GPU/TPU; `cpu(*args)` on the CPU backend.
+def _on_platform(fn, a, b):
+  """`fn(a, b)` (an f32-accumulating GEMM of compute-dtype operands) on GPU/TPU; on the
+  CPU backend `fn` of the operands upcast to f32.
 
   XLA:CPU has no kernel for every operand layout of a bf16 x bf16 -> f32 dot (the thunk
   runtime fails with "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32",
@@ -60,11 +61,19 @@ def _on_platform(args, accelerator, cpu):
   f32 (24 bits), so it computes the same products with the same f32 accumulation.
   `precision.audit` reports the accelerator branch.
   """
-  return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
+  cpu = lambda x, y: fn(x.astype(_F32), y.astype(_F32))
+  return lax.platform_dependent(a, b, cpu=cpu, default=fn)
 
 
-def _up(*xs):
-  return tuple(x.astype(_F32) for x in xs)
+def _operand_grads(t_lhs, t_rhs, gc, lc, rc, lhs_dtype, rhs_dtype, kw):
+  """Both operand cotangents of a GEMM-like op from JAX's transpose rules `t_lhs`/`t_rhs`
+  (`dot_general` or `conv_general_dilated`): compute-dtype cotangent `gc` against the
+  compute-dtype residual operands `lc`, `rc`, f32 accumulation (in `kw`), returned in the
+  operands' own dtypes."""
+  ul, ur = _Undefined(_target_aval(lc, lhs_dtype)), _Undefined(_target_aval(rc, rhs_dtype))
+  dl = _on_platform(lambda g_, r_: t_lhs(g_, ul, r_, **kw), gc, rc)
+  dr = _on_platform(lambda g_, l_: t_rhs(g_, l_, ur, **kw), gc, lc)
+  return dl, dr
 
 
 # ----------------------------------------------------------------------------- dot_general
@@ -79,7 +88,7 @@ def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
   xc, wc = x.astype(compute), w.astype(compute)
   mm = lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision,
                                     preferred_element_type=_F32)
-  out = _on_platform((xc, wc), mm, lambda a, b: mm(*_up(a, b)))
+  out = _on_platform(mm, xc, wc)
   # Residuals in the compute dtype: half the bytes of f32 copies.
   return out.astype(compute), (xc, wc)
 
@@ -89,12 +98,8 @@ def _dot_bwd(dimension_numbers, precision, compute, x_dtype, w_dtype, res, g):
   gc = g.astype(compute)  # round the cotangent once: both GEMMs below are compute x compute
   kw = dict(dimension_numbers=dimension_numbers, precision=precision,
             preferred_element_type=_F32, out_sharding=None)
-  ux, uw = _Undefined(_target_aval(xc, x_dtype)), _Undefined(_target_aval(wc, w_dtype))
-  dx_fn = lambda g_, w_: _lax_impl._dot_general_transpose_lhs(g_, ux, w_, **kw)
-  dw_fn = lambda g_, x_: _lax_impl._dot_general_transpose_rhs(g_, x_, uw, **kw)
-  dx = _on_platform((gc, wc), dx_fn, lambda a, b: dx_fn(*_up(a, b)))
-  dw = _on_platform((gc, xc), dw_fn, lambda a, b: dw_fn(*_up(a, b)))
-  return dx, dw
+  return _operand_grads(_lax_impl._dot_general_transpose_lhs,
+                        _lax_impl._dot_general_transpose_rhs, gc, xc, wc, x_dtype, w_dtype, kw)
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -178,7 +183,7 @@ def _conv(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
 def _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
   lc, rc = lhs.astype(compute), rhs.astype(compute)
   cv = lambda a, b: _conv_call(a, b, params, _F32)
-  out = _on_platform((lc, rc), cv, lambda a, b: cv(*_up(a, b)))
+  out = _on_platform(cv, lc, rc)
   return out.astype(compute), (lc, rc)
 
 
@@ -191,12 +196,9 @@ def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, res, g):
             feature_group_count=params.feature_group_count,
             batch_group_count=params.batch_group_count, precision=params.precision,
             preferred_element_type=_F32, out_sharding=None)
-  ul, ur = _Undefined(_target_aval(lc, lhs_dtype)), _Undefined(_target_aval(rc, rhs_dtype))
-  dl_fn = lambda g_, r_: _lax_conv._conv_general_dilated_transpose_lhs(g_, ul, r_, **kw)
-  dr_fn = lambda g_, l_: _lax_conv._conv_general_dilated_transpose_rhs(g_, l_, ur, **kw)
-  dl = _on_platform((gc, rc), dl_fn, lambda a, b: dl_fn(*_up(a, b)))
-  dr = _on_platform((gc, lc), dr_fn, lambda a, b: dr_fn(*_up(a, b)))
-  return dl, dr
+  return _operand_grads(_lax_conv._conv_general_dilated_transpose_lhs,
+                        _lax_conv._conv_general_dilated_transpose_rhs, gc, lc, rc, lhs_dtype,
+                        rhs_dtype, kw)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
