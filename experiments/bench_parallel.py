@@ -49,17 +49,9 @@ def _model(quick: bool):
 
 
 def _loss(params, batch):
-  f32 = jnp.float32
-  dt = params["w1"].dtype
-  h = jnp.dot(batch["x"].astype(dt), params["w1"], preferred_element_type=f32)
-  h = jnp.tanh(h + params["b1"].astype(f32)[None, :]).astype(dt)
-  h = jnp.tanh(jnp.dot(h, params["w2"], preferred_element_type=f32)).astype(dt)
-  y = jnp.dot(h, params["w3"], preferred_element_type=f32)
-  return jnp.mean(jnp.square(y - batch["y"]))
-
-
-def _layers(params, x):
-  """The same MLP as three ZeRO-3 layers (`gathered_layer`), for stage 3 gather="layer"."""
+  """MLP regression written as three ZeRO-3 layers (`gathered_layer`): plain GEMMs on
+  full params at stages 0-2 and stage 3 gather="step", gathered layer by layer under
+  gather="layer" (the helper is a no-op without shards)."""
   f32 = jnp.float32
 
   def first(p, x):
@@ -73,13 +65,10 @@ def _layers(params, x):
   def last(p, h):
     return jnp.dot(h.astype(p["w3"].dtype), p["w3"], preferred_element_type=f32)
 
-  h = parallel.gathered_layer(first)({"w1": params["w1"], "b1": params["b1"]}, x)
+  h = parallel.gathered_layer(first)({"w1": params["w1"], "b1": params["b1"]}, batch["x"])
   h = parallel.gathered_layer(hidden)({"w2": params["w2"]}, h)
-  return parallel.gathered_layer(last)({"w3": params["w3"]}, h)
-
-
-def _layered_loss(params, batch):
-  return jnp.mean(jnp.square(_layers(params, batch["x"]) - batch["y"]))
+  y = parallel.gathered_layer(last)({"w3": params["w3"]}, h)
+  return jnp.mean(jnp.square(y - batch["y"]))
 
 
 # (row label, zero_stage, gather): stage 3 both ways, "3L" = gathered layer by layer.
@@ -98,8 +87,7 @@ def run(quick: bool = True) -> dict:
   with jax.numpy_dtype_promotion("strict"):
     for recipe in ("fp32", "bf16_master"):
       for stage, zero_stage, gather in CONFIGS:
-        dp = parallel.data_parallel(_layered_loss if gather == "layer" else _loss,
-                                    optax.adamw(1e-3), mesh, zero_stage=zero_stage,
+        dp = parallel.data_parallel(_loss, optax.adamw(1e-3), mesh, zero_stage=zero_stage,
                                     recipe=recipe, gather=gather)
         state = dp.init(params)
         gbatch = dp.shard_batch(batch)
