@@ -20,9 +20,9 @@ _ENV = "XLA_FLAGS"
 
 
 def _backends_started() -> bool:
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  from precision import _compat  # pylint: disable=g-import-not-at-top
 
-  return xla_bridge.backends_are_initialized()
+  return _compat.backends_are_initialized()
 
 
 def faithful_rounding_enabled() -> bool:

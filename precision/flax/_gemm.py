@@ -16,8 +16,8 @@ With an f32 compute dtype none of this is needed: the plain `lax` ops run, so an
 policy is bit-identical to the model without the library.
 
 The backward GEMMs reuse JAX's own transpose rules for dot_general and
-conv_general_dilated (private functions of jax 0.10), called with a compute-dtype cotangent
-and `preferred_element_type=float32`; that keeps layouts, dimension numbers and padding
+conv_general_dilated (private functions, reached through precision._compat), called with a
+compute-dtype cotangent and `preferred_element_type=float32`; that keeps layouts, dimension numbers and padding
 exactly those of JAX's automatic transpose.
 """
 
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lax import convolution as _lax_conv
-from jax._src.lax import lax as _lax_impl
+
+from precision import _compat
 
 _F32 = np.dtype(np.float32)
 
@@ -98,8 +98,8 @@ def _dot_bwd(dimension_numbers, precision, compute, x_dtype, w_dtype, res, g):
   gc = g.astype(compute)  # round the cotangent once: both GEMMs below are compute x compute
   kw = dict(dimension_numbers=dimension_numbers, precision=precision,
             preferred_element_type=_F32, out_sharding=None)
-  return _operand_grads(_lax_impl._dot_general_transpose_lhs,
-                        _lax_impl._dot_general_transpose_rhs, gc, xc, wc, x_dtype, w_dtype, kw)
+  return _operand_grads(_compat.dot_general_transpose_lhs,
+                        _compat.dot_general_transpose_rhs, gc, xc, wc, x_dtype, w_dtype, kw)
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -196,8 +196,8 @@ def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, res, g):
             feature_group_count=params.feature_group_count,
             batch_group_count=params.batch_group_count, precision=params.precision,
             preferred_element_type=_F32, out_sharding=None)
-  return _operand_grads(_lax_conv._conv_general_dilated_transpose_lhs,
-                        _lax_conv._conv_general_dilated_transpose_rhs, gc, lc, rc, lhs_dtype,
+  return _operand_grads(_compat.conv_transpose_lhs,
+                        _compat.conv_transpose_rhs, gc, lc, rc, lhs_dtype,
                         rhs_dtype, kw)
 
 

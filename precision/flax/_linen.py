@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from precision import _compat
 from precision._policy import Policy, cast_floating, get_policy
 from precision.flax import _overrides
 from precision.flax._gemm import PolicyConv, PolicyDotGeneral
@@ -39,7 +40,7 @@ from precision.flax._nnx import promote_keep_kernel
 
 _F32 = np.dtype(np.float32)
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm, nn.InstanceNorm)
-_LAYERS = (nn.Dense, nn.DenseGeneral, nn.linear._Conv, nn.Einsum, nn.Embed) + _NORMS
+_LAYERS = (nn.Dense, nn.DenseGeneral, _compat.linen_conv_base(), nn.Einsum, nn.Embed) + _NORMS
 
 
 def _promote_keep_kernel_linen(*args, dtype=None, inexact=True):
@@ -120,7 +121,7 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
       with _fields(module, dtype=c, param_dtype=p, dot_general=PolicyDotGeneral(c),
                    dot_general_cls=None, promote_dtype=_promote_keep_kernel_linen):
         out = next_fun(*args, **kwargs)
-    elif isinstance(module, nn.linear._Conv):
+    elif isinstance(module, _compat.linen_conv_base()):
       with _fields(module, dtype=c, param_dtype=p, conv_general_dilated=PolicyConv(c),
                    conv_general_dilated_cls=None, promote_dtype=_promote_keep_kernel_linen):
         out = next_fun(*args, **kwargs)

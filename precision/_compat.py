@@ -1,0 +1,89 @@
+"""Every private JAX / Flax name the library uses, in one place.
+
+The library's dependencies are version ranges (pyproject.toml), so a private name may move
+in a release inside the range. Each one is imported here and nowhere else;
+tests/test_compat.py imports every entry of `PRIVATE_NAMES` and fails naming any that
+disappeared. Checked against jax 0.10.2 and flax 0.12.8 (the constraints CI installs)
+and, by reading the wheels, jax 0.11.2 / 0.12.0.1 and flax 0.12.12.
+
+| name                                              | used for                                   |
+|---------------------------------------------------|--------------------------------------------|
+| jax._src.lax.lax._dot_general_transpose_lhs/rhs   | backward GEMMs of the policy dot_general   |
+| jax._src.lax.convolution._conv_general_dilated_transpose_lhs/rhs | backward convolutions       |
+| jax._src.source_info_util.user_context / current_name_stack | autocast keeps each op's source  |
+|                                                   | line and name stack (the audit reads them)  |
+| jax._src.xla_bridge.backends_are_initialized      | the faithful-rounding switch refuses late   |
+|                                                   | enabling                                    |
+| flax.linen.linear._Conv                           | the base of Linen's Conv and ConvLocal      |
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# (module, attribute) pairs; `resolve` imports them lazily and names the missing one.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("jax._src.lax.lax", "_dot_general_transpose_lhs"),
+    ("jax._src.lax.lax", "_dot_general_transpose_rhs"),
+    ("jax._src.lax.convolution", "_conv_general_dilated_transpose_lhs"),
+    ("jax._src.lax.convolution", "_conv_general_dilated_transpose_rhs"),
+    ("jax._src.source_info_util", "user_context"),
+    ("jax._src.source_info_util", "current_name_stack"),
+    ("jax._src.xla_bridge", "backends_are_initialized"),
+    ("flax.linen.linear", "_Conv"),
+)
+
+
+class MissingPrivateName(ImportError):
+  """A private JAX/Flax name the library relies on is gone from the installed version."""
+
+
+def resolve(module: str, attribute: str) -> Any:
+  """`module.attribute`, or MissingPrivateName naming both and the installed versions."""
+  try:
+    return getattr(importlib.import_module(module), attribute)
+  except (ImportError, AttributeError) as e:
+    import jax  # pylint: disable=g-import-not-at-top
+    import flax  # pylint: disable=g-import-not-at-top
+    raise MissingPrivateName(
+        f"precision needs the private name {module}.{attribute}, which this installation "
+        f"lacks (jax {jax.__version__}, flax {flax.__version__}); precision is tested with "
+        "jax>=0.10.2,<0.13 and flax>=0.12.8,<0.13") from e
+
+
+def dot_general_transpose_lhs(*args, **kwargs):
+  return resolve("jax._src.lax.lax", "_dot_general_transpose_lhs")(*args, **kwargs)
+
+
+def dot_general_transpose_rhs(*args, **kwargs):
+  return resolve("jax._src.lax.lax", "_dot_general_transpose_rhs")(*args, **kwargs)
+
+
+def conv_transpose_lhs(*args, **kwargs):
+  return resolve("jax._src.lax.convolution", "_conv_general_dilated_transpose_lhs")(
+      *args, **kwargs)
+
+
+def conv_transpose_rhs(*args, **kwargs):
+  return resolve("jax._src.lax.convolution", "_conv_general_dilated_transpose_rhs")(
+      *args, **kwargs)
+
+
+def user_context(traceback, name_stack):
+  """Context in which newly bound primitives carry `traceback` and `name_stack`."""
+  return resolve("jax._src.source_info_util", "user_context")(traceback,
+                                                              name_stack=name_stack)
+
+
+def current_name_stack():
+  return resolve("jax._src.source_info_util", "current_name_stack")()
+
+
+def backends_are_initialized() -> bool:
+  return bool(resolve("jax._src.xla_bridge", "backends_are_initialized")())
+
+
+def linen_conv_base() -> type:
+  """flax.linen's private base class of Conv and ConvLocal."""
+  return resolve("flax.linen.linear", "_Conv")
