@@ -15,10 +15,15 @@ and, by reading the wheels, jax 0.11.2 / 0.12.0.1 and flax 0.12.12.
 | jax._src.xla_bridge.backends_are_initialized      | the faithful-rounding switch refuses late   |
 |                                                   | enabling                                    |
 | flax.linen.linear._Conv                           | the base of Linen's Conv and ConvLocal      |
+
+Jaxpr equations are public types (jax.extend.core), but three of their protocols changed
+across releases and are bridged here: how an equation is bound again (`bind_eqn`), its
+context manager (`eqn_context`) and a custom_jvp call's rule (`custom_jvp_rule`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -87,3 +92,30 @@ def backends_are_initialized() -> bool:
 def linen_conv_base() -> type:
   """flax.linen's private base class of Conv and ConvLocal."""
   return resolve("flax.linen.linear", "_Conv")
+
+
+def bind_eqn(eqn, invals):
+  """Binds a jaxpr equation's primitive again on `invals` with its own params (as
+  `jax.core.eval_jaxpr` does; higher-order primitives get their sub-functions back)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(params, tuple):  # older JAX: (subfuns, params)
+    subfuns, params = params
+    return eqn.primitive.bind(*subfuns, *invals, **params)
+  return eqn.primitive.bind(*invals, **params)
+
+
+def eqn_context(eqn):
+  """The context (compute type, xla metadata, ...) the equation was traced under."""
+  ctx = getattr(eqn, "ctx", None)
+  manager = getattr(ctx, "manager", None)
+  return manager if manager is not None else contextlib.nullcontext()
+
+
+def custom_jvp_rule(params: dict, symbolic_zeros: list[bool]):
+  """(jaxpr, consts, ...) of a custom_jvp_call equation's JVP rule for the given tangent
+  zero pattern; the jaxpr takes (primals..., nonzero tangents...)."""
+  fun = params.get("jvp_jaxpr_fun", params.get("jvp_jaxpr_thunk"))
+  if fun is None:
+    raise MissingPrivateName("custom_jvp_call has neither jvp_jaxpr_fun nor jvp_jaxpr_thunk")
+  call = getattr(fun, "call_wrapped", fun)
+  return call(*symbolic_zeros)
