@@ -1,0 +1,309 @@
+"""A zoo of small models written the way other people write them, not the way we would.
+
+None of these models knows about `precision`: biases everywhere, a subclassed nnx.Embed
+with its own attribute and __call__, attention written with jnp.einsum and jax.nn.softmax,
+a hand-written RMSNorm, a tanh logit soft-cap, tied embeddings (`attend`), Flax's own
+nnx.MultiHeadAttention / nnx.Einsum / nnx.BatchNorm and Linen's
+MultiHeadDotProductAttention / Conv / BatchNorm, a plain-JAX model (no Flax) with
+lax.scan over layers and jax.checkpoint, and a model under an explicit-sharding mesh with
+`out_sharding=` annotations.
+
+Each case builds the same model (same seed) either plain (`recipe=None`: no library at all)
+or under a recipe applied from outside, the one-line way a user would:
+`precision.flax.apply_recipe(model, recipe)` (NNX), `precision.flax.linen_policy(...)`
+(Linen) or `precision.autocast(fn, recipe)` (plain JAX). `Built.loss(params)` returns
+(f32 loss, updated non-param state or None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import precision as mp
+
+VOCAB, T, B, D, HEADS = 64, 8, 4, 32, 4
+
+
+@contextlib.contextmanager
+def user_code(extra=None):
+  """What the zoo's code assumes (JAX's defaults: standard dtype promotion, implicit rank
+  broadcasting), whatever the test session sets; plus `extra` (e.g. a linen_policy)."""
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), (
+      extra or contextlib.nullcontext()):
+    yield
+
+
+@dataclasses.dataclass
+class Built:
+  loss: Callable[[Any], tuple[jax.Array, Any]]   # params -> (loss, new state or None)
+  params: Any
+  context: Callable[[], Any] = user_code  # entered around tracing
+
+
+def _tokens(seed=1, batch=B):
+  return jax.random.randint(jax.random.key(seed), (batch, T + 1), 0, VOCAB)
+
+
+def _xent(logits, labels):
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+# ----------------------------------------------------------------------------- NNX models
+
+
+class ScaledEmbed(nnx.Embed):
+  """Gemma-style embedding: a subclass with an attribute of its own and its own __call__
+  (scales by sqrt(d)); `attend` (inherited) ties the output head to it."""
+
+  def __init__(self, num_embeddings, features, *, rngs):
+    super().__init__(num_embeddings, features, rngs=rngs)
+    self.embed_dim = features
+
+  def __call__(self, tokens):
+    return super().__call__(tokens) * jnp.sqrt(float(self.embed_dim))
+
+
+class MyRMSNorm(nnx.Module):
+  """RMSNorm the way model code writes it: jnp ops, a (1 + scale) gain."""
+
+  def __init__(self, dim, eps=1e-6):
+    self.scale = nnx.Param(jnp.zeros((dim,)))
+    self.eps = eps
+
+  def __call__(self, x):
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + self.eps) * (1.0 + self.scale[...])
+
+
+class EinsumBlock(nnx.Module):
+  """Attention with Flax's nnx.Einsum projections (with biases), jnp.einsum scores and
+  jax.nn.softmax; an MLP of raw param matmuls with biases."""
+
+  def __init__(self, *, rngs):
+    k = D // HEADS
+    self.norm1, self.norm2 = MyRMSNorm(D), MyRMSNorm(D)
+    self.qkv = nnx.Einsum("btd,sdhk->sbthk", (3, D, HEADS, k), (3, 1, 1, HEADS, k), rngs=rngs)
+    self.out = nnx.Linear(D, D, rngs=rngs)
+    init = nnx.initializers.lecun_normal()
+    self.w1 = nnx.Param(init(rngs.params(), (D, 4 * D)))
+    self.b1 = nnx.Param(jnp.zeros((4 * D,)))
+    self.w2 = nnx.Param(init(rngs.params(), (4 * D, D)))
+    self.b2 = nnx.Param(jnp.zeros((D,)))
+
+  def __call__(self, x):
+    b, t, _ = x.shape
+    q, k, v = self.qkv(self.norm1(x))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, -1e9)
+    probs = jax.nn.softmax(scores, axis=-1)
+    att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, D)
+    x = x + self.out(att)
+    h = jax.nn.gelu(self.norm2(x) @ self.w1[...] + self.b1[...])
+    return x + h @ self.w2[...] + self.b2[...]
+
+
+class GemmaStyleLM(nnx.Module):
+  """Scaled (subclassed) embedding, einsum attention blocks, a custom RMSNorm, tied
+  output head (`attend`) and a tanh logit soft-cap."""
+
+  def __init__(self, *, rngs, n_layers=2, cap=30.0):
+    self.embed = ScaledEmbed(VOCAB, D, rngs=rngs)
+    self.blocks = nnx.List([EinsumBlock(rngs=rngs) for _ in range(n_layers)])
+    self.final_norm = MyRMSNorm(D)
+    self.cap = cap
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    logits = self.embed.attend(self.final_norm(x))
+    return self.cap * jnp.tanh(logits / self.cap)
+
+
+class BiasMLP(nnx.Module):
+  """Flax defaults everywhere: Linear with biases, LayerNorm, BatchNorm (train mode)."""
+
+  def __init__(self, *, rngs):
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.bn = nnx.BatchNorm(32, use_running_average=False, rngs=rngs)
+    self.norm = nnx.LayerNorm(32, rngs=rngs)
+    self.down = nnx.Linear(32, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.bn(self.up(x)))
+    return self.down(jax.nn.gelu(self.norm(h)))
+
+
+class MHAModel(nnx.Module):
+  """Flax's own nnx.MultiHeadAttention (self-attention, causal mask) and a Linear head."""
+
+  def __init__(self, *, rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=rngs)
+    self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = x + self.attn(x, mask=nnx.make_causal_mask(tokens))
+    return self.head(x)
+
+
+# ----------------------------------------------------------------------------- Linen models
+
+
+class LinenDecoder(nn.Module):
+  """A Linen decoder LM: Embed (tied head via attend), MultiHeadDotProductAttention with a
+  causal mask, LayerNorm, Dense MLP with biases."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(VOCAB, D)
+    x = embed(tokens)
+    for _ in range(2):
+      h = nn.LayerNorm()(x)
+      h = nn.MultiHeadDotProductAttention(num_heads=HEADS)(
+          h, mask=nn.make_causal_mask(tokens))
+      x = x + h
+      h = nn.Dense(4 * D)(nn.LayerNorm()(x))
+      x = x + nn.Dense(D)(nn.gelu(h))
+    return embed.attend(nn.LayerNorm()(x))
+
+
+class LinenResNet(nn.Module):
+  """Conv + BatchNorm residual blocks (batch_stats), average pool, Dense classifier."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3), use_bias=False)(x)
+    for _ in range(2):
+      y = nn.Conv(8, (3, 3), use_bias=False)(x)
+      y = nn.relu(nn.BatchNorm(use_running_average=not train)(y))
+      y = nn.Conv(8, (3, 3), use_bias=False)(y)
+      x = nn.relu(x + nn.BatchNorm(use_running_average=not train)(y))
+    x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+# ----------------------------------------------------------------------------- plain JAX
+
+
+def plain_init(key, n_layers=3, d=D):
+  keys = jax.random.split(key, 3)
+  return {
+      "w_in": jax.random.normal(keys[0], (16, d)) / 4.0,
+      "layers": {"w": jax.random.normal(keys[1], (n_layers, d, d)) / math.sqrt(d),
+                 "b": jnp.full((n_layers, d), 0.01)},
+      "w_out": jax.random.normal(keys[2], (d, 10)) / math.sqrt(d),
+  }
+
+
+def plain_loss(params, x, labels):
+  """No Flax: a stack of residual layers run by lax.scan, each rematerialised."""
+  h = x @ params["w_in"]
+
+  @jax.checkpoint
+  def layer(h, wb):
+    w, b = wb
+    return h + jax.nn.silu(h @ w + b), None
+
+  h, _ = jax.lax.scan(layer, h, (params["layers"]["w"], params["layers"]["b"]))
+  return _xent(h @ params["w_out"], labels)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _nnx_build(make, loss_of, recipe):
+  with user_code():
+    model = make()
+  if recipe is not None:
+    mp.flax.apply_recipe(model, recipe)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    return loss_of(m), nnx.state(m, nnx.BatchStat) or None
+
+  return Built(loss, params)
+
+
+def _linen_context(recipe):
+  if recipe is None:
+    return contextlib.nullcontext()
+  r = mp.get_recipe(recipe)
+  return mp.flax.linen_policy(r.policy, fp32_ops=r.fp32_ops)
+
+
+def _linen_build(model, x, recipe, loss_of, mutable=()):
+  with user_code(_linen_context(recipe)):
+    variables = model.init(jax.random.key(0), x)
+  params = variables["params"]
+  rest = {k: v for k, v in variables.items() if k != "params"}
+
+  def loss(params):
+    with _linen_context(recipe):
+      out = model.apply({"params": params, **rest}, x, mutable=list(mutable) or False)
+    y, new = out if mutable else (out, None)
+    return loss_of(y), new
+
+  return Built(loss, params, lambda: user_code(_linen_context(recipe)))
+
+
+def gemma_style(recipe):
+  tokens = _tokens()
+  return _nnx_build(lambda: GemmaStyleLM(rngs=nnx.Rngs(0)),
+                    lambda m: _xent(m(tokens[:, :-1]), tokens[:, 1:]), recipe)
+
+
+def bias_mlp(recipe):
+  x = jax.random.normal(jax.random.key(2), (B, 16))
+  y = jax.random.normal(jax.random.key(3), (B, 8))
+  return _nnx_build(lambda: BiasMLP(rngs=nnx.Rngs(0)),
+                    lambda m: jnp.mean((m(x) - y) ** 2), recipe)
+
+
+def nnx_mha(recipe):
+  tokens = _tokens()
+  return _nnx_build(lambda: MHAModel(rngs=nnx.Rngs(0)),
+                    lambda m: _xent(m(tokens[:, :-1]), tokens[:, 1:]), recipe)
+
+
+def linen_decoder(recipe):
+  tokens = _tokens()
+  return _linen_build(LinenDecoder(), tokens[:, :-1], recipe,
+                      lambda logits: _xent(logits, tokens[:, 1:]))
+
+
+def linen_resnet(recipe):
+  x = jax.random.normal(jax.random.key(4), (B, 8, 8, 3))
+  labels = jax.random.randint(jax.random.key(5), (B,), 0, 10)
+  return _linen_build(LinenResNet(), x, recipe, lambda logits: _xent(logits, labels),
+                      mutable=("batch_stats",))
+
+
+def plain_jax(recipe):
+  x = jax.random.normal(jax.random.key(6), (B, 16))
+  labels = jax.random.randint(jax.random.key(7), (B,), 0, 10)
+  fn = plain_loss if recipe is None else mp.autocast(plain_loss, recipe)
+  return Built(lambda p: (fn(p, x, labels), None), plain_init(jax.random.key(0)))
+
+
+CASES: dict[str, Callable[[str | None], Built]] = {
+    "gemma_style_nnx": gemma_style,
+    "bias_batchnorm_mlp_nnx": bias_mlp,
+    "multihead_attention_nnx": nnx_mha,
+    "decoder_linen": linen_decoder,
+    "resnet_batchnorm_linen": linen_resnet,
+    "plain_jax_scan_remat": plain_jax,
+}
