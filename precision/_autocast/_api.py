@@ -41,6 +41,7 @@ class AutocastSpec:
   policy: Policy
   rules: tuple = ()
   fp32_ops: tuple[str, ...] = DEFAULT_FP32_OPS
+  recompute_f32: bool = True
 
   @functools.cached_property
   def fp32_primitives(self) -> frozenset:
@@ -48,7 +49,8 @@ class AutocastSpec:
 
   @classmethod
   def make(cls, policy: Policy | Recipe | str, overrides: Mapping[Any, Any] | None = None,
-           fp32_ops=None, *, module_base: type = object) -> AutocastSpec:
+           fp32_ops=None, *, module_base: type = object,
+           recompute_f32: bool = True) -> AutocastSpec:
     """Validates and builds a spec.
 
     Args:
@@ -56,6 +58,8 @@ class AutocastSpec:
         recipe name ("bf16_mixed"): a recipe contributes its policy and fp32_ops.
       overrides: {path pattern or module type: policy} (see precision.autocast).
       fp32_ops: op names kept in f32 (default: the recipe's, else DEFAULT_FP32_OPS).
+      recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
+        pass instead of saving its f32 intermediates (see precision._autocast._regions).
     Raises:
       ValueError: a bad policy, override or op name; an fp8 compute dtype (fp8 GEMMs need
         scaling: an fp8 recipe); a recipe with fp8 GEMMs passed to plain autocast (their
@@ -82,7 +86,9 @@ class AutocastSpec:
             "scaling (an unscaled cast turns 500 into NaN in E4M3): use an fp8 recipe "
             "(precision.get_recipe('fp8_hybrid') with precision.flax.apply_recipe)")
     fp32 = _fp32_ops.check_names(DEFAULT_FP32_OPS if fp32_ops is None else fp32_ops)
-    return cls(base, rules, fp32)
+    if not isinstance(recompute_f32, bool):
+      raise ValueError(f"recompute_f32={recompute_f32!r}; accepted: True or False")
+    return cls(base, rules, fp32, recompute_f32)
 
 
 def _recipe_names():
@@ -95,7 +101,7 @@ def _recipe_names():
 
 class _State(threading.local):
   def __init__(self):
-    self.depth = 0
+    self.specs: list[AutocastSpec] = []   # the autocasts tracing now, innermost last
     self.scope_hooks: list[Callable] = []
 
 
@@ -106,16 +112,23 @@ def tracing() -> bool:
   """True while autocast traces a function (code that applies autocast itself, such as
   a module marked by precision.flax.apply_policy, then runs as written: the enclosing
   autocast governs it)."""
-  return _STATE.depth > 0
+  return bool(_STATE.specs)
+
+
+def active_spec() -> AutocastSpec | None:
+  """The spec of the innermost autocast tracing now (None outside any). Code that wraps
+  part of a traced function in a custom VJP of its own (ZeRO-3's gathered layers) applies
+  it inside, since autocast runs custom_vjp bodies as written."""
+  return _STATE.specs[-1] if _STATE.specs else None
 
 
 @contextlib.contextmanager
-def _tracing_scope():
-  _STATE.depth += 1
+def _tracing_scope(spec: AutocastSpec):
+  _STATE.specs.append(spec)
   try:
     yield
   finally:
-    _STATE.depth -= 1
+    _STATE.specs.pop()
 
 
 def _is_array(x) -> bool:
@@ -171,12 +184,17 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   module_policy: dict = {}
 
   def flat_fn(node_state, arrays):
-    it_nodes = iter(nnx.merge(graph, node_state)) if nodes else iter(())
+    it_nodes = iter(nnx.merge(graph, node_state, copy=True)) if nodes else iter(())
     it_arrays = iter(arrays)
     rebuilt = [next(it_nodes) if k == "node" else next(it_arrays) if k == "array" else x
                for x, k in zip(leaves, kinds)]
     a, kw = jax.tree_util.tree_unflatten(treedef, rebuilt)
-    with _tracing_scope(), _module_scopes(rebuilt, kinds, module_at, module_policy):
+    # Standard promotion while tracing: a p=bf16 recipe's bf16 params meet the f32 values
+    # of a model written for f32 (nnx.Embed returns f32 by default); JAX's default
+    # promotes them and the policy then decides. A program valid under strict promotion
+    # means the same under standard.
+    with _tracing_scope(spec), jax.numpy_dtype_promotion("standard"), _module_scopes(
+        rebuilt, kinds, module_at, module_policy):
       out = fn(*a, **kw)
     new_state = nnx.state(tuple(x for x, k in zip(rebuilt, kinds) if k == "node")) if nodes \
         else None
@@ -184,7 +202,7 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(node_state, arrays)
   env = _interpret.Env(spec.policy, spec.rules, spec.fp32_primitives, module_at,
-                       module_policy, root=root_scope)
+                       module_policy, root=root_scope, recompute_f32=spec.recompute_f32)
   in_flat = jax.tree_util.tree_leaves((node_state, arrays))
   outs = _interpret.eval_jaxpr(env, closed.jaxpr, closed.consts, in_flat)
   out_tree = jax.tree_util.tree_structure(out_shape)

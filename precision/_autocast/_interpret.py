@@ -20,6 +20,7 @@ from jax import lax
 from precision import _compat
 from precision._policy import Policy
 from precision._autocast import _overrides
+from precision._autocast import _regions
 from precision._autocast import _rules as R
 from precision import _gemm
 
@@ -37,6 +38,7 @@ class Env:
   module_at: dict = dataclasses.field(default_factory=dict)      # scope -> module
   module_policy: dict = dataclasses.field(default_factory=dict)  # scope -> Policy
   root: str = ""   # a leading scope every op carries (Linen: the root module's class name)
+  recompute_f32: bool = True  # f32 glue regions recomputed in backward (see _regions)
   seen_scopes: set = dataclasses.field(default_factory=set)
   matched: set = dataclasses.field(default_factory=set)
   _policies: dict = dataclasses.field(default_factory=dict)
@@ -88,20 +90,54 @@ def eval_jaxpr(env: Env, jaxpr, consts, args, prefix: str = "") -> list:
     vals[v] = x
   for v, x in zip(jaxpr.invars, args):
     vals[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [_read(vals, v) for v in eqn.invars]
-    raw = str(eqn.source_info.name_stack)
-    scope, backward = R.scope_of(_join(prefix, raw))
-    scope = env.local(scope)
-    env.record(scope)
-    name_stack = _compat.current_name_stack() + eqn.source_info.name_stack
-    with _compat.user_context(eqn.source_info.traceback, name_stack), _compat.eqn_context(eqn):
-      outs = _apply(env, eqn, invals, _join(prefix, raw), scope, backward)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, x in zip(eqn.outvars, outs):
-      vals[v] = x
+  regions = _regions.plan(jaxpr, env, prefix, lambda e: _below_f32_at(env, e, prefix)) \
+      if env.recompute_f32 else {}
+  i = 0
+  while i < len(jaxpr.eqns):
+    region = regions.get(i)
+    if region is None:
+      _eval_eqn(env, jaxpr.eqns[i], vals, prefix)
+      i += 1
+      continue
+    _eval_region(env, jaxpr.eqns[region.start:region.stop], region, vals, prefix)
+    i = region.stop
   return [_read(vals, v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(env: Env, eqn, vals: dict, prefix: str) -> None:
+  invals = [_read(vals, v) for v in eqn.invars]
+  raw = str(eqn.source_info.name_stack)
+  scope, backward = R.scope_of(_join(prefix, raw))
+  scope = env.local(scope)
+  env.record(scope)
+  name_stack = _compat.current_name_stack() + eqn.source_info.name_stack
+  with _compat.user_context(eqn.source_info.traceback, name_stack), _compat.eqn_context(eqn):
+    outs = _apply(env, eqn, invals, _join(prefix, raw), scope, backward)
+  if not eqn.primitive.multiple_results:
+    outs = [outs]
+  for v, x in zip(eqn.outvars, outs):
+    vals[v] = x
+
+
+def _below_f32_at(env: Env, eqn, prefix: str) -> bool:
+  scope = env.local(R.scope_of(_join(prefix, str(eqn.source_info.name_stack)))[0])
+  return R.below_f32(env.policy_at(scope).compute_dtype)
+
+
+def _eval_region(env: Env, eqns, region, vals: dict, prefix: str) -> None:
+  """Evaluates a glue region under jax.checkpoint: the backward pass keeps its inputs and
+  recomputes the rest (see _regions)."""
+
+  def fn(*inputs):
+    local = dict(zip(region.inputs, inputs))
+    for eqn in eqns:
+      _eval_eqn(env, eqn, local, prefix)
+    return [local[v] for v in region.outputs]
+
+  outs = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)(
+      *[vals[v] for v in region.inputs])
+  for v, x in zip(region.outputs, outs):
+    vals[v] = x
 
 
 # ----------------------------------------------------------------------------- rules
