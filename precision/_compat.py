@@ -119,3 +119,12 @@ def custom_jvp_rule(params: dict, symbolic_zeros: list[bool]):
     raise MissingPrivateName("custom_jvp_call has neither jvp_jaxpr_fun nor jvp_jaxpr_thunk")
   call = getattr(fun, "call_wrapped", fun)
   return call(*symbolic_zeros)
+
+
+def without_leading_scope(name_stack, name: str):
+  """`name_stack` without its first entry when that entry is the scope `name` (a Linen
+  root module seen twice: once by the enclosing call, once by the traced re-entry)."""
+  stack = getattr(name_stack, "stack", ())
+  if stack and getattr(stack[0], "name", None) == name:
+    return type(name_stack)(tuple(stack[1:]))
+  return name_stack

@@ -110,7 +110,10 @@ def _eval_eqn(env: Env, eqn, vals: dict, prefix: str) -> None:
   scope, backward = R.scope_of(_join(prefix, raw))
   scope = env.local(scope)
   env.record(scope)
-  name_stack = _compat.current_name_stack() + eqn.source_info.name_stack
+  own = eqn.source_info.name_stack
+  if env.root and not prefix:
+    own = _compat.without_leading_scope(own, env.root)
+  name_stack = _compat.current_name_stack() + own
   with _compat.user_context(eqn.source_info.traceback, name_stack), _compat.eqn_context(eqn):
     outs = _apply(env, eqn, invals, _join(prefix, raw), scope, backward)
   if not eqn.primitive.multiple_results:
