@@ -24,13 +24,14 @@ _F32 = np.dtype(np.float32)
 _SIXTEEN_BIT = (parse_dtype("bf16"), parse_dtype("f16"))
 
 # Ops kept in f32 whatever the compute dtype: PyTorch autocast's fp32 list (softmax,
-# log_softmax, norms, losses, exp/log/pow, sums) and the precision maps of seeds 000-003
-# (RMSNorm and QK-norm statistics, softmax, RoPE tables, cross entropy, grad norm and the
-# optimizer update).
+# log_softmax, norms, losses, exp/log/pow, sums) and the precision map of mixed-precision
+# LLM training (RMSNorm and QK-norm statistics, softmax, RoPE tables, cross entropy,
+# exp/log/tanh/logistic of activations and soft-caps, grad norm and the optimizer update).
+# precision._fp32_ops maps each name to the JAX primitives precision.autocast keeps in f32.
 DEFAULT_FP32_OPS = (
     "softmax", "attention_probs", "log_softmax", "logsumexp", "cross_entropy", "rms_norm",
-    "layer_norm",
-    "group_norm", "batch_norm", "rotary_embedding", "grad_norm", "optimizer_update",
+    "layer_norm", "group_norm", "batch_norm", "rotary_embedding", "transcendentals",
+    "grad_norm", "optimizer_update",
 )
 
 
@@ -147,7 +148,8 @@ class Recipe:
       set_("loss_scale", LossScaleConfig(**self.loss_scale))
     if isinstance(self.fp8, dict):
       set_("fp8", Fp8Config(**self.fp8))
-    set_("fp32_ops", tuple(self.fp32_ops))
+    from precision._fp32_ops import check_names  # pylint: disable=g-import-not-at-top
+    set_("fp32_ops", check_names(self.fp32_ops, "fp32_ops"))
     _check_choice("rounding", self.rounding, ROUNDINGS)
     param = self.policy.param_dtype
     if self.master_dtype is not None:

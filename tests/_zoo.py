@@ -307,3 +307,26 @@ CASES: dict[str, Callable[[str | None], Built]] = {
     "resnet_batchnorm_linen": linen_resnet,
     "plain_jax_scan_remat": plain_jax,
 }
+
+
+# ----------------------------------------------------------------------------- sharded
+
+
+class ShardedLM(nnx.Module):
+  """An LM written for explicit sharding (jax.set_mesh with Explicit axes): the batch is
+  sharded over "data" and every lookup and GEMM says where its result lives."""
+
+  def __init__(self, *, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.w = nnx.Param(init(rngs.params(), (D, 2 * D)))
+    self.b = nnx.Param(jnp.zeros((2 * D,)))
+    self.norm = nnx.LayerNorm(2 * D, rngs=rngs)
+    self.head = nnx.Linear(2 * D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    batch = jax.sharding.PartitionSpec("data", None, None)
+    x = self.embed(tokens, out_sharding=batch)
+    h = jnp.einsum("btd,de->bte", x, self.w[...], out_sharding=batch) + self.b[...]
+    h = self.norm(jax.nn.gelu(h))
+    return self.head(h, out_sharding=batch)

@@ -157,7 +157,12 @@ def promoted(eqn, in_dtypes: list[np.dtype]) -> np.dtype | None:
   idx = [i for i in idx if i < len(in_dtypes) and is_float(in_dtypes[i])]
   if not idx:
     return None
-  strong = [in_dtypes[i] for i in idx if not getattr(eqn.invars[i].aval, "weak_type", False)]
+  # Scalar literals (Python numbers in the traced code: `x * 2.0`, `var + eps`) follow the
+  # other operands, as weakly typed values would: the jaxpr has already resolved them to
+  # the traced dtype, so their own dtype says nothing about the user's intent.
+  strong = [in_dtypes[i] for i in idx
+            if not getattr(eqn.invars[i].aval, "weak_type", False)
+            and not isinstance(eqn.invars[i], jax.extend.core.Literal)]
   from precision._gemm import wider_float  # pylint: disable=g-import-not-at-top
   return wider_float(*(strong or [in_dtypes[i] for i in idx]))
 
