@@ -65,8 +65,9 @@ class ScaledEmbed(nnx.Embed):
   """Gemma-style embedding: a subclass with an attribute of its own and its own __call__
   (scales by sqrt(d)); `attend` (inherited) ties the output head to it."""
 
-  def __init__(self, num_embeddings, features, *, rngs):
-    super().__init__(num_embeddings, features, rngs=rngs)
+  def __init__(self, num_embeddings, features, *, rngs, dtype=None):
+    super().__init__(num_embeddings, features, rngs=rngs,
+                     **({} if dtype is None else dict(dtype=dtype)))
     self.embed_dim = features
 
   def __call__(self, tokens):
@@ -74,60 +75,87 @@ class ScaledEmbed(nnx.Embed):
 
 
 class MyRMSNorm(nnx.Module):
-  """RMSNorm the way model code writes it: jnp ops, a (1 + scale) gain."""
+  """RMSNorm the way model code writes it: jnp ops, a (1 + scale) gain. With a `dtype`
+  (mixed precision by hand) the statistics run in f32 and the result is cast back."""
 
-  def __init__(self, dim, eps=1e-6):
+  def __init__(self, dim, eps=1e-6, dtype=None):
     self.scale = nnx.Param(jnp.zeros((dim,)))
-    self.eps = eps
+    self.eps, self.dtype = eps, dtype
 
   def __call__(self, x):
+    if self.dtype is not None:
+      x = x.astype(jnp.float32)  # f32 statistics
     var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(var + self.eps) * (1.0 + self.scale[...])
+    y = x * jax.lax.rsqrt(var + self.eps) * (1.0 + self.scale[...])
+    return y if self.dtype is None else y.astype(self.dtype)
 
 
 class EinsumBlock(nnx.Module):
   """Attention with Flax's nnx.Einsum projections (with biases), jnp.einsum scores and
-  jax.nn.softmax; an MLP of raw param matmuls with biases."""
+  jax.nn.softmax; an MLP of raw param matmuls with biases.
 
-  def __init__(self, *, rngs):
-    k = D // HEADS
-    self.norm1, self.norm2 = MyRMSNorm(D), MyRMSNorm(D)
-    self.qkv = nnx.Einsum("btd,sdhk->sbthk", (3, D, HEADS, k), (3, 1, 1, HEADS, k), rngs=rngs)
-    self.out = nnx.Linear(D, D, rngs=rngs)
+  `dtype=None` is the model as written; `dtype=jnp.bfloat16` is the same model with mixed
+  precision written by hand, the way Flax users do it today: Flax layers given
+  `dtype`/`param_dtype`, einsums with `preferred_element_type=f32`, params cast at use, the
+  softmax and norms upcast to f32 explicitly.
+  """
+
+  def __init__(self, *, rngs, dtype=None, d=D, heads=HEADS):
+    k = d // heads
+    self.dtype, self.d = dtype, d
+    self.norm1, self.norm2 = MyRMSNorm(d, dtype=dtype), MyRMSNorm(d, dtype=dtype)
+    lkw = {} if dtype is None else dict(dtype=dtype, param_dtype=jnp.float32)
+    self.qkv = nnx.Einsum("btd,sdhk->sbthk", (3, d, heads, k), (3, 1, 1, heads, k),
+                          rngs=rngs, **lkw)
+    self.out = nnx.Linear(d, d, rngs=rngs, **lkw)
     init = nnx.initializers.lecun_normal()
-    self.w1 = nnx.Param(init(rngs.params(), (D, 4 * D)))
-    self.b1 = nnx.Param(jnp.zeros((4 * D,)))
-    self.w2 = nnx.Param(init(rngs.params(), (4 * D, D)))
-    self.b2 = nnx.Param(jnp.zeros((D,)))
+    self.w1 = nnx.Param(init(rngs.params(), (d, 4 * d)))
+    self.b1 = nnx.Param(jnp.zeros((4 * d,)))
+    self.w2 = nnx.Param(init(rngs.params(), (4 * d, d)))
+    self.b2 = nnx.Param(jnp.zeros((d,)))
+
+  def _p(self, p):
+    return p[...] if self.dtype is None else p[...].astype(self.dtype)
 
   def __call__(self, x):
     b, t, _ = x.shape
+    dt = self.dtype
     q, k, v = self.qkv(self.norm1(x))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if dt is None:
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    else:  # f32 scores for the softmax
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                          preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(causal, scores, -1e9)
     probs = jax.nn.softmax(scores, axis=-1)
-    att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, D)
+    if dt is not None:
+      probs = probs.astype(dt)
+    att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, self.d)
     x = x + self.out(att)
-    h = jax.nn.gelu(self.norm2(x) @ self.w1[...] + self.b1[...])
-    return x + h @ self.w2[...] + self.b2[...]
+    h = jax.nn.gelu(self.norm2(x) @ self._p(self.w1) + self._p(self.b1))
+    return x + h @ self._p(self.w2) + self._p(self.b2)
 
 
 class GemmaStyleLM(nnx.Module):
   """Scaled (subclassed) embedding, einsum attention blocks, a custom RMSNorm, tied
-  output head (`attend`) and a tanh logit soft-cap."""
+  output head (`attend`) and a tanh logit soft-cap. `dtype`: see EinsumBlock."""
 
-  def __init__(self, *, rngs, n_layers=2, cap=30.0):
-    self.embed = ScaledEmbed(VOCAB, D, rngs=rngs)
-    self.blocks = nnx.List([EinsumBlock(rngs=rngs) for _ in range(n_layers)])
-    self.final_norm = MyRMSNorm(D)
-    self.cap = cap
+  def __init__(self, *, rngs, n_layers=2, cap=30.0, dtype=None, vocab=VOCAB, d=D,
+               heads=HEADS):
+    self.embed = ScaledEmbed(vocab, d, rngs=rngs, dtype=dtype)
+    self.blocks = nnx.List([EinsumBlock(rngs=rngs, dtype=dtype, d=d, heads=heads)
+                            for _ in range(n_layers)])
+    self.final_norm = MyRMSNorm(d, dtype=dtype)
+    self.cap, self.dtype = cap, dtype
 
   def __call__(self, tokens):
     x = self.embed(tokens)
     for block in self.blocks:
       x = block(x)
     logits = self.embed.attend(self.final_norm(x))
+    if self.dtype is not None:
+      logits = logits.astype(jnp.float32)  # the soft-cap in f32
     return self.cap * jnp.tanh(logits / self.cap)
 
 
