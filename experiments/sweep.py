@@ -374,12 +374,14 @@ def merge_parts(out: str, n: int | None = None
     m = re.search(r"part-(\d+)-of-(\d+)\.json$", path)
     if m:
       found.setdefault(int(m.group(2)), {})[int(m.group(1))] = path
+  if not found:
+    raise ValueError(f"{out} has no finished slice ({PARTS_DIR}/part-K-of-N.json); run the "
+                     "sweep into it first (python -m experiments.sweep --out DIR [--shard K/N])")
   if n is None:
     if len(found) != 1:
       raise ValueError(
-          f"{out}/{PARTS_DIR} holds finished slices of {sorted(found) or 'no'} sweep(s) "
-          "(by slice count N); expected those of one sweep. Run it (with --shard K/N for a "
-          "slice) or remove the stale part-*-of-N.json files.")
+          f"{out}/{PARTS_DIR} holds finished slices of sweeps split {sorted(found)} ways; "
+          "expected one sweep's. Remove the stale part-K-of-N.json files.")
     n = next(iter(found))
   have = found.get(n, {})
   missing = [k for k in range(1, n + 1) if k not in have]

@@ -141,19 +141,20 @@ def test_null_family_wise_error_at_most_alpha_where_the_test_can_decide(noise, n
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_power_against_a_known_shift(sign):
-  """One recipe of seven shifted by 2 s.d. of a per-seed difference, 12 seeds: the test
-  names it (in the right direction) in >= 80% of trials and names any of the six others
-  no more often than alpha allows."""
+  """One recipe of seven shifted by 1.5 s.d. of a per-seed difference, 12 seeds: the test
+  names it (in the right direction) in >= 85% of trials (0.92 in a 600-sweep Monte Carlo:
+  the bound sits 6 standard errors below) and names any of the six others no more often
+  than alpha allows."""
   rng = np.random.default_rng(3)
   trials, n = 600, 12
-  shift = sign * 2.0 * np.sqrt(2.0)  # per-run noise s.d. 1: a difference has s.d. sqrt(2)
+  shift = sign * 1.5 * np.sqrt(2.0)  # per-run noise s.d. 1: a difference has s.d. sqrt(2)
   found = others = 0
   for _ in range(trials):
     x = _finals(rng, "normal", DEFAULT_FAMILY, n, shifts=[shift] + [0.0] * 6)
     res = stats.paired_verdicts(_family(x))
     found += res["r1"].verdict == (stats.WORSE if sign > 0 else stats.BETTER)
     others += any(stats.is_decision(res[f"r{i}"].verdict) for i in range(2, 8))
-  assert found / trials >= 0.8, found / trials
+  assert found / trials >= 0.85, found / trials
   assert _within_alpha(others / trials, trials), others / trials
 
 

@@ -186,7 +186,10 @@ def test_report_only_names_a_missing_or_mismatched_slice(sharded, tmp_path):
   path.write_text(json.dumps(part))
   with pytest.raises(ValueError, match="different settings.*steps"):
     sweep.report_only(str(copy))
-  with pytest.raises(ValueError, match="no"):
+  shutil.copy(copy / "parts" / "part-2-of-2.json", copy / "parts" / "part-1-of-3.json")
+  with pytest.raises(ValueError, match=r"split \[2, 3\] ways"):
+    sweep.report_only(str(copy))
+  with pytest.raises(ValueError, match="no finished slice"):
     sweep.report_only(str(tmp_path / "empty"))
 
 
