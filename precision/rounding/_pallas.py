@@ -45,7 +45,8 @@ NUM_WARPS = 4
 # The custom-call target of a compiled (Triton) Pallas kernel in StableHLO. `jax.export`
 # refuses to serialise it unless told, since its ABI carries no compatibility guarantee:
 # ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]``.
-TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+# (Public as `jax.experimental.pallas.triton.CUSTOM_CALL_TARGET_NAME` in newer JAX.)
+TRITON_CUSTOM_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 # Platforms whose lowering of a Pallas kernel is the compiled Triton one.
 GPU_PLATFORMS = ("cuda", "rocm")
 
