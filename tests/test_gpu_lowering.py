@@ -17,14 +17,18 @@ bf16_sr's optimizer) lowering to Triton for CUDA.
 
 TPU (measured with jax 0.10.2): the training steps lower for TPU with the same GEMM
 dtypes, and `impl="auto"` (the XLA reference off a GPU) and the interpret-mode kernels
-lower too. The compiled Pallas kernels do not lower for TPU (Mosaic): with their Triton
-compiler params, ``ValueError: Compiler params for platform gpu cannot be used for tpu
-lowering.``; without them, Mosaic needs a TPU to read its generation (``ValueError:
-Unsupported TPU device kind: cpu``; `jax.sharding.use_abstract_mesh` with an
-`AbstractDevice` of kind "TPU v5 lite" gets past that), and then fails in its `load`
-lowering with ``NotImplementedError`` because the kernels use masked loads
-(`pallas.triton.load(..., mask=...)`, for the partial last block), which Mosaic does not
-implement. A TPU kernel would need full, padded 2-D blocks instead.
+lower too. The compiled Pallas kernels (``interpret=False``) do not lower for TPU
+(Mosaic). With their Triton compiler params the error is ``ValueError: Compiler params
+for platform gpu cannot be used for tpu lowering.`` once the Triton lowering is
+registered in the process (after any GPU lowering), else a bare ``AssertionError`` in
+Mosaic's `pallas_call_tpu_lowering_rule` (``isinstance(compiler_params,
+tpu_core.CompilerParams)``). Without compiler params, Mosaic needs a TPU to read its
+generation: ``ValueError: Unsupported TPU device kind: cpu``; `jax.sharding
+.use_abstract_mesh` with an `AbstractDevice(device_kind="TPU v5 lite", platform="tpu")`
+gets past that, and Mosaic then fails in its `load` lowering with a bare
+``NotImplementedError``: the kernels use masked loads (`pallas.triton.load(...,
+mask=...)`, for the partial last block), which Mosaic does not implement. A TPU kernel
+would need full, padded 2-D blocks instead.
 """
 
 import collections
@@ -239,9 +243,10 @@ def test_stochastic_rounding_kernels_lower_to_triton(target, in_dtype):
     assert call.target == TRITON_CUSTOM_CALL and call.name == f"stochastic_round_{target}"
     assert call.operands == ("uint32[4]", f"{in_dtype}[3000]")
     assert call.results == (f"{bits}[3000]",)
-    # The same function lowered for the CPU: interpret mode / XLA, no kernel.
-    assert lower(lambda x: stochastic_round(x, target, key=7, step=3, impl=impl), x,
-                 platform="cpu").custom_calls == ()
+    # The same function lowered for the CPU or a TPU: interpret mode / XLA, no kernel.
+    for other in ("cpu", "tpu"):
+      assert lower(lambda x: stochastic_round(x, target, key=7, step=3, impl=impl), x,
+                   platform=other).custom_calls == ()
 
 
 def test_interpret_switch():

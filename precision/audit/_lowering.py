@@ -92,7 +92,9 @@ class LoweredGemm(NamedTuple):
 
   @property
   def direction(self) -> str:
-    """"bwd" for a GEMM JAX emitted while transposing (the backward pass), else "fwd"."""
+    """"bwd" for a GEMM JAX emitted while transposing (the backward pass: its name stack
+    holds "transpose("), else "fwd". Needs the module's locations (`jax.export` and
+    `lower` keep them); without a name every GEMM reads as "fwd"."""
     return "bwd" if "transpose(" in self.name else "fwd"
 
   @property

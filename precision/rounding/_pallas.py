@@ -8,7 +8,9 @@ platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
 TRITON_CUSTOM_CALL)])`` serialises the GPU program on a CPU-only machine, each kernel a
 Triton custom call (tests/test_gpu_lowering.py checks every kernel that way), and the
 same jitted function still runs on the CPU. ``interpret=False`` forces the compiled
-lowering for every platform (lowering for the CPU then fails: it has no Triton).
+lowering for every platform (lowering for the CPU then fails: it has no Triton). There is
+no TPU (Mosaic) kernel: a TPU program gets the XLA reference (impl="auto") or interpret
+mode; the Triton kernels' masked loads of the partial last block have no Mosaic lowering.
 
 The array is flattened (row-major over its logical shape, so transposed or sliced inputs
 get the same flat indices as in the reference) and cut into 1-D blocks of `block_size`
