@@ -11,7 +11,6 @@ For every model of the zoo, unmodified, with the recipe applied from outside in 
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,25 +18,16 @@ import numpy as np
 import pytest
 
 import precision as mp
+from precision.audit import lower
 import _zoo
 
 MIXED = "p=f32,c=bf16,o=f32"
-_TENSOR = re.compile(r"tensor<(?:[^<>]*?x)?([a-z]+[0-9A-Za-z]*)>")
 
 
 def lowered_gemms(fn, *args) -> list[tuple[str, str, str, str]]:
-  """(op, lhs, rhs, result) element types of every dot_general / convolution in `fn`
-  lowered for CUDA with jax.export (works on a CPU-only machine)."""
-  exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
-  found = []
-  for line in exported.mlir_module().splitlines():
-    op = re.search(r"stablehlo\.(dot_general|convolution)", line)
-    if op is None or "->" not in line:
-      continue
-    signature = line[line.rindex(" : ("):]
-    types = _TENSOR.findall(signature)
-    found.append((op.group(1), *types[:2], types[-1]))
-  return found
+  """(op, lhs, rhs, result) short dtype names of every dot_general / convolution of `fn`
+  lowered for CUDA (precision.audit.lower: jax.export works on a CPU-only machine)."""
+  return [(g.op, *g.signature()) for g in lower(fn, *args, platform="cuda").gemms]
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,18 +62,14 @@ def test_fp32_recipe_bit_identical_to_plain_model(name):
 def test_bf16_every_gemm_forward_and_backward_is_bf16_f32_on_cuda(name):
   b = built(name, "bf16_mixed")
   with b.context():
-    gemms = lowered_gemms(jax.value_and_grad(b.loss, has_aux=True), b.params)
+    prog = lower(jax.value_and_grad(b.loss, has_aux=True), b.params, platform="cuda")
+  gemms = [(g.op, *g.signature()) for g in prog.gemms]
   assert gemms, "no GEMM found in the lowered program"
   wrong = [g for g in gemms if g[1:] != ("bf16", "bf16", "f32")]
   assert not wrong, f"{len(wrong)} of {len(gemms)} GEMMs are not bf16 x bf16 -> f32: {wrong}"
-  # The lowered program holds the backward GEMMs too: more GEMMs than the forward pass has
-  # (each forward GEMM gives one or two backward ones; XLA drops the data input's).
-  with b.context():
-    report = mp.audit(jax.grad(lambda p: b.loss(p)[0]), b.params)
-  fwd = [g for g in report.gemms if g.direction == "fwd"]
-  bwd = [g for g in report.gemms if g.direction == "bwd"]
-  assert len(bwd) >= len(fwd) > 0
-  assert len(gemms) > len(fwd)
+  prog.check("bf16_mixed")
+  # Forward and backward GEMMs both there (the lowering keeps JAX's name stacks).
+  assert prog.gemm_signatures("fwd") and prog.gemm_signatures("bwd")
 
 
 @pytest.mark.parametrize("name", list(_zoo.CASES))
