@@ -43,6 +43,7 @@ from precision.optim._moments import moment_dtypes
 from precision.optim._query import loss_scale_of
 from precision.optim._query import master_params
 from precision.optim._query import optimizer_metrics
+from precision.optim._query import step_skipped
 from precision.optim._remainder import RemainderState
 from precision.optim._remainder import merge_master
 from precision.optim._remainder import remainder_master_weights
@@ -83,5 +84,6 @@ __all__ = [
     "select_tree",
     "skip_nonfinite",
     "split_master",
+    "step_skipped",
     "stochastic_updates",
 ]
