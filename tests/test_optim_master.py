@@ -210,7 +210,7 @@ def test_remainder_master_matches_master_weights():
   assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(s_lean.remainder))
 
 
-# Swamping (seed 004): weight 1.0, update +1e-5 per step, 100,000 steps.
+# Swamping: weight 1.0, update +1e-5 per step, 100,000 steps.
 SWAMP_STEPS = 100_000
 SWAMP_LR = 1e-5
 
@@ -253,7 +253,7 @@ def test_swamping_master_reaches_two(swamping):
   p, state = swamping["master"]
   # The master is exactly the f32 running sum: f32(1e-5) is 83.89 ulps of f32 in [1, 2),
   # so each add rounds to 84 ulps and 100k adds land at 2.001358, 1.36e-3 above 2.0. That
-  # is f32's own rounding, identical in plain f32 training; seed 004's "within 1e-3" is not
+  # is f32's own rounding, identical in plain f32 training; "within 1e-3 of 2.0" is not
   # reachable by any f32 accumulator of these increments. Bound: 100k * ulp(1)/2 = 6e-3.
   ref = np.float32(1.0)
   for _ in range(SWAMP_STEPS):
