@@ -698,6 +698,19 @@ def test_linen_shared_gemm_combines_grad_state_by_max():
                            _combined(states))
 
 
+def test_linen_bound_module_across_traces():
+  """A bound Linen fp8 module called under two jits and eagerly: each trace starts its own
+  token chain (a token of one trace reused in another would be an escaped tracer)."""
+  dense = nn.Dense(8, dot_general_cls=functools.partial(
+      mp.fp8.LinenFp8DotGeneral, config=mp.Fp8Config(scaling="delayed", amax_history_len=4)))
+  x = jnp.ones((2, 8), F32)
+  bound = dense.bind(dense.init(jax.random.key(0), x))
+  a = jax.jit(lambda x: bound(x))(x)
+  b = jax.jit(lambda x: bound(x) * 2)(x)
+  np.testing.assert_array_equal(np.asarray(b), 2 * np.asarray(a))
+  np.testing.assert_array_equal(np.asarray(bound(x)), np.asarray(a))
+
+
 def test_linen_microbatches_threaded_through_applies():
   """Two applies in one differentiated function, each given the collections the previous
   one returned: the gradient state is that of one apply on the concatenated batch."""

@@ -29,6 +29,7 @@ import weakref
 from typing import Any, Mapping
 
 import flax.linen as nn
+from jax.extend import core as jex_core
 
 from precision._recipe import Fp8Config
 from precision.fp8 import _scaling as sc
@@ -37,9 +38,11 @@ from precision.fp8._dot import OPERANDS, Fp8DotState, Fp8Spec, fp8_dot_general
 STATE_COLLECTION = "fp8_state"
 GRAD_COLLECTION = "fp8_grad_state"
 
-# Root scope of an `apply` -> {module path: the gradient-state token its last call passed
-# on}. The next call of a shared module in the same apply reads the token from here (the
-# collection need not be mutable); the entry goes away with the apply's scope.
+# Root scope of an `apply` -> {module path: (trace state, the gradient-state token its
+# last call passed on)}. The next call of a shared module in the same apply, and the same
+# trace, reads the token from here (the collection need not be mutable); the entries go
+# away with the apply's scope. The trace state keeps a token from one trace (a jit, a
+# scan body) out of another, e.g. for a bound module called under two jits.
 _TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -70,11 +73,12 @@ class LinenFp8DotGeneral(nn.Module):
     state = Fp8DotState(*(sc.OperandState(*(v.value for v in variables[op])) for op in OPERANDS))
     tokens = _TOKENS.setdefault(self.scope.root, {})
     path = tuple(self.scope.path)
-    if path in tokens:  # a later call of a shared module: continue the token chain
-      state = state._replace(grad=tokens[path])
+    trace = jex_core.get_opaque_trace_state(convention="flax")
+    if path in tokens and tokens[path][0] == trace:
+      state = state._replace(grad=tokens[path][1])  # a later call: continue the chain
     out, new = fp8_dot_general(lhs, rhs, dimension_numbers, state, spec,
                                out_dtype=preferred_element_type or self.compute_dtype)
-    tokens[path] = new.grad
+    tokens[path] = (trace, new.grad)
     if self.is_mutable_collection(STATE_COLLECTION) and not self.is_initializing():
       for op in ("lhs", "rhs"):
         for var, value in zip(variables[op], getattr(new, op)):
