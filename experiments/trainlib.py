@@ -158,6 +158,9 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
 
   def step(params, model_state, opt_state, tokens):
     scale = mp.optim.loss_scale_of(opt_state)
+    # The state before the step, for a rollback: nnx.merge shares model_state's Variables
+    # with the model, whose calls update them in place; the tree map copies them.
+    state_before = jax.tree.map(lambda x: x, model_state)
     model = nnx.merge(graphdef, params, model_state)
 
     def scaled(m):
@@ -168,8 +171,13 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
     # gradient-direction (E5M2) scaling state, which only the backward pass can see; for
     # models without fp8 GEMMs it is the plain one.
     (_, loss), grads = mp.fp8.value_and_grad(scaled, has_aux=True)(model)
-    new_model_state = nnx.state(model, nnx.Not(nnx.Param))
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    # A step the guard skips leaves params and optimizer state as they were; the fp8
+    # scaling state (in the model) rolls back with it.
+    new_model_state = mp.fp8.rollback_fp8_state(
+        nnx.state(model, nnx.Not(nnx.Param)), state_before,
+        mp.optim.step_skipped(opt_state, new_opt_state))
+    opt_state = new_opt_state
     params = mp.optim.apply_updates(params, updates)
     metrics = dict(mp.optim.optimizer_metrics(opt_state))
     metrics["loss"] = loss

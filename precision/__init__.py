@@ -34,16 +34,22 @@ from precision._recipe import Recipe
 from precision._recipe import get_recipe
 from precision.rounding import stochastic_round
 from precision.optim import DynamicLossScale
+from precision.optim import LossScale
 from precision.optim import NoOpLossScale
 from precision.optim import StaticLossScale
+from precision.optim import all_finite
+from precision.optim import select_tree
 
 __version__ = "0.1.0"
 
 __all__ = [
     "autocast",
     "DynamicLossScale",
+    "LossScale",
     "NoOpLossScale",
     "StaticLossScale",
+    "all_finite",
+    "select_tree",
     "optim",
     "DEFAULT_FP32_OPS",
     "Fp8Config",

@@ -79,11 +79,17 @@ def _is_floating_array(x: Any) -> bool:
 
 
 def cast_floating(tree: T, dtype: Any) -> T:
-  """Casts every floating leaf of `tree` to `dtype`; other leaves pass through untouched."""
+  """Casts every floating leaf of `tree` to `dtype`; other leaves pass through untouched.
+
+  An abstract leaf (`jax.ShapeDtypeStruct`) gets the new dtype, shape and sharding kept:
+  what `jax.eval_shape` of the cast gives, so abstract trees plan memory correctly.
+  """
   dtype = np.dtype(dtype)
 
   def cast(x):
     if _is_floating_array(x) and x.dtype != dtype:
+      if isinstance(x, jax.ShapeDtypeStruct):
+        return x.update(dtype=dtype)
       return x.astype(dtype)
     return x
 

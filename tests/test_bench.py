@@ -1,4 +1,6 @@
-"""experiments.bench --quick has every promised field; gpu_check runs end to end (dry run)."""
+"""experiments.bench --quick has every promised field, and every derived figure (ratios,
+FLOPs per token) agrees with the measurements it is derived from; gpu_check runs end to
+end (dry run) with the Pallas kernels bit-identical to their references."""
 
 import json
 import math
@@ -7,6 +9,17 @@ import pytest
 
 from experiments import bench
 from experiments import gpu_check
+from models import gpt
+
+
+def _ratio(num, den):
+  """num / den, after checking both are finite positive measurements."""
+  assert math.isfinite(num) and num > 0 and math.isfinite(den) and den > 0, (num, den)
+  return num / den
+
+
+def _same(got, want):
+  assert got == pytest.approx(want, rel=1e-12), (got, want)
 
 
 @pytest.fixture(scope="module")
@@ -23,24 +36,44 @@ def test_every_section_and_field(quick):
     assert section in res, section
   for name in ("attention_block", "gpt_stack"):
     p = res["policy"][name]
-    assert p["time_ratio"] > 0 and p["policy"]["dots"] == p["hand"]["dots"]
+    _same(p["time_ratio"], _ratio(p["policy"]["median_ms"], p["hand"]["median_ms"]))
+    assert p["policy"]["dots"] == p["hand"]["dots"] > 0
     assert p["policy"]["dot_flops"] == p["hand"]["dot_flops"]
     assert {"converts", "dots", "dot_flops", "median_ms"} <= set(p["policy"])
-  rows = res["recipes"]["rows"]
+  rec = res["recipes"]
+  rows = rec["rows"]
   assert set(rows) >= {"fp32", "bf16_mixed", "bf16_master"}
+  cfg = gpt.get_config(rec["model"])
   for name, r in rows.items():
     assert set(r["memory"]) >= {"argument", "output", "alias", "temp"}
     # Donation: the step's params/state outputs alias its inputs.
     assert r["memory"]["alias"] > 0
     assert abs(r["ledger_rel_err"]) < 0.01, (name, r["ledger_rel_err"])
-    assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0
+    _same(r["ledger_rel_err"], r["persistent_bytes_measured"] / r["persistent_bytes_ledger"] - 1)
+    # llm.c's 6N + 6LCT, from the model config and the measured parameter count.
+    assert r["flops_per_token"] == 6 * r["params"] + 6 * cfg.n_layers * cfg.d_model * rec["seq"]
+    _same(r["tokens_per_s_vs_fp32"], _ratio(r["tokens_per_s"], rows["fp32"]["tokens_per_s"]))
     assert "mfu" in r and r["mfu"] is None  # CPU: no known peak
   assert rows["fp32"]["activation_vs_fp32"] == 1.0
+  _same(rows["bf16_mixed"]["activation_vs_fp32"],
+        _ratio(rows["bf16_mixed"]["activation_bytes_per_seq"],
+               rows["fp32"]["activation_bytes_per_seq"]))
   assert rows["bf16_mixed"]["activation_vs_fp32"] < 1.0
   opt = res["optimizer"]
-  assert all(math.isfinite(v) for v in opt["ratio"][str(opt["sizes"][0])].values())
-  assert res["rounding"]["sr_over_astype"] > 0 and res["rounding"]["fused_over_unfused"] > 0
-  assert res["fp8"]["step_fp8_over_bf16"] > 0
+  for size in map(str, opt["sizes"]):
+    secs, ratio = opt["seconds"][size], opt["ratio"][size]
+    assert set(ratio) == set(secs) and ratio["optax.adamw (f32)"] == 1.0
+    for k in secs:
+      _same(ratio[k], _ratio(secs[k], secs["optax.adamw (f32)"]))
+  rnd = res["rounding"]
+  _same(rnd["sr_over_astype"], _ratio(rnd["sr_xla_s"], rnd["astype_s"]))
+  _same(rnd["fused_over_unfused"], _ratio(rnd["fused_adamw_s"], rnd["unfused_adamw_s"]))
+  f8 = res["fp8"]
+  _same(f8["step_fp8_over_bf16"],
+        _ratio(f8["step_seconds"]["bf16_mixed"], f8["step_seconds"]["fp8_hybrid"]))
+  assert set(f8["gemm_fp8_over_bf16"]) == set(f8["gemm_seconds"]) - {"bf16"}
+  for k, v in f8["gemm_fp8_over_bf16"].items():
+    _same(v, _ratio(f8["gemm_seconds"]["bf16"], f8["gemm_seconds"][k]))
   stages = {(r["recipe"], r["stage"]) for r in res["zero"]["rows"]}
   assert stages == {(rc, s) for rc in ("fp32", "bf16_master") for s in (0, 1, 2, 3, "3L")}
   temps = {(r["recipe"], r["stage"]): r["temp_KiB"] for r in res["zero"]["rows"]}
@@ -52,8 +85,15 @@ def test_gpu_check_dry_run(tmp_path):
   assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
   with open(tmp_path / "gpu_check.json") as f:
     res = json.load(f)
-  assert all(v == 1.0 for k, v in res["pallas_bit_identity"].items() if "master=True" not in k)
-  assert res["train"]["bf16_over_fp32"] > 0 and res["bandwidth"]["pallas_sr_vs_copy"] > 0
+  # Every kernel, the fused AdamW with a master copy included, equals its reference bit
+  # for bit (fraction of equal elements 1.0).
+  assert res["pallas_bit_identity"] == {
+      **{f"float32->{t}": 1.0 for t in ("bf16", "f16", "e4m3", "e5m2")},
+      **{f"bfloat16->{t}": 1.0 for t in ("e4m3", "e5m2")},
+      "fused_adamw_sr_master=False": 1.0, "fused_adamw_sr_master=True": 1.0}
+  tr, bw = res["train"], res["bandwidth"]
+  _same(tr["bf16_over_fp32"], _ratio(tr["tokens_per_s"]["bf16_mixed"], tr["tokens_per_s"]["fp32"]))
+  _same(bw["pallas_sr_vs_copy"], _ratio(bw["pallas_sr_bytes_per_s"], bw["copy_bytes_per_s"]))
 
 
 def test_gpu_check_refuses_cpu_without_dry_run(tmp_path):

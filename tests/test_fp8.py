@@ -537,3 +537,384 @@ def test_merge_grad_state_functional_step_keeps_unused_gemms():
   # forward-operand state comes from the forward pass
   np.testing.assert_array_equal(merged["layers"][0]["dot_general"]["lhs_amax_history"][...],
                                 new["layers"][0]["dot_general"]["lhs_amax_history"][...])
+
+
+# ---------------------------------------------- one GEMM used several times in one step
+
+_GRAD_FIELDS = ("amax_history", "scale", "saturated", "underflowed")
+
+
+def _grad_state(layer):
+  """{field: np.ndarray} of an NNX fp8 layer's gradient-operand state."""
+  return {f: np.asarray(getattr(layer.dot_general, f"grad_{f}")[...]) for f in _GRAD_FIELDS}
+
+
+def _combined(states):
+  """What one use of the concatenated gradient operand records: histories and scales by
+  max, saturation and underflow counts summed."""
+  return {f: (np.maximum.reduce if f in ("amax_history", "scale") else np.add.reduce)(
+      [s[f] for s in states]) for f in _GRAD_FIELDS}
+
+
+def _assert_grad_state_equal(got, want):
+  for f in _GRAD_FIELDS:
+    np.testing.assert_array_equal(got[f], want[f], err_msg=f)
+
+
+def _fp8_linear(grad_scaling="delayed", seed=0):
+  """An 8x8 fp8 layer: current-scaled forward operands (no forward history, so a layer
+  called twice quantizes as two fresh copies would), gradient scaled by `grad_scaling`."""
+  layer = nnx.Linear(8, 8, use_bias=False, rngs=nnx.Rngs(seed))
+  mp.fp8.apply_fp8(layer, mp.Fp8Config(scaling="delayed", amax_history_len=4),
+                   scaling={"lhs": "current", "rhs": "current", "grad": grad_scaling})
+  return layer
+
+
+def _recur(model, h, steps, mode):
+  """h <- tanh(model(h)) `steps` times, unrolled in Python or in nnx.scan (model as carry)."""
+  if mode == "python":
+    for _ in range(steps):
+      h = jnp.tanh(model(h))
+    return h
+
+  def step(carry, _):
+    m, h = carry
+    return (m, jnp.tanh(m(h))), None
+
+  (_, h), _ = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(
+      (model, h), jnp.arange(steps))
+  return h
+
+
+@pytest.mark.parametrize("mode", ["python", "scan"])
+def test_tied_recurrent_gemm_combines_grad_state_by_max(mode):
+  """One fp8 layer applied 3 times (tied weights, a recurrence) records what 3 fresh
+  copies of it would, combined: amax history and scale by max, counts summed. Autodiff
+  alone adds the three states (the scale triples every step)."""
+  x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 8)), F32)
+  loss = lambda h: jnp.sum(h * h)
+  tied = _fp8_linear()
+  nnx.jit(lambda m, x: mp.fp8.value_and_grad(lambda m, x: loss(_recur(m, x, 3, mode)))(m, x))(
+      tied, x)
+  copies = [_fp8_linear() for _ in range(3)]  # same kernel (seed), same fresh state
+
+  @nnx.jit
+  def untied_step(a, b, c, x):
+    def f(models, x):
+      h = x
+      for m in models:
+        h = jnp.tanh(m(h))
+      return loss(h)
+    return mp.fp8.value_and_grad(f)(nnx.List([a, b, c]), x)
+
+  untied_step(*copies, x)
+  want = _combined([_grad_state(m) for m in copies])
+  assert len({float(_grad_state(m)["amax_history"][0]) for m in copies}) == 3  # uses differ
+  _assert_grad_state_equal(_grad_state(tied), want)
+  # Next steps on the same data: the amax stays put instead of tripling each step.
+  step = nnx.jit(lambda m, x: mp.fp8.value_and_grad(
+      lambda m, x: loss(_recur(m, x, 3, mode)))(m, x))
+  for _ in range(2):
+    step(tied, x)
+  hist = _grad_state(tied)["amax_history"]
+  assert hist[0] < 1.1 * want["amax_history"][0], hist
+
+
+@pytest.mark.parametrize("grad_scaling", ["delayed", "current"])
+@pytest.mark.parametrize("loop", ["python", "scan"])
+def test_microbatch_accumulation_matches_one_concatenated_batch(grad_scaling, loop):
+  """Gradient accumulation over 3 micro-batches inside one differentiated step records
+  exactly the gradient state of one pass over the concatenated batch, bit for bit. The
+  loss is linear in the output, so every row's gradient is the same in both (its
+  cotangent `c`), and every micro-batch holds the same largest |c|, so even current
+  scaling picks the same scale per micro-batch as for the whole batch."""
+  rng = np.random.default_rng(9)
+  xs = jnp.asarray(rng.standard_normal((3, 4, 8)), F32)
+  cs = rng.standard_normal((3, 4, 8)).astype(np.float32) * 1e-3
+  cs[:, 0, 0] = 0.05  # the same amax in every micro-batch
+  cs[:, 1] *= 1e-6  # and values that underflow E5M2 at its scale, so counts are compared
+  cs = jnp.asarray(cs)
+
+  def accumulate(m, xs, cs):
+    if loop == "python":
+      return sum(jnp.sum(m(xs[i]) * cs[i]) for i in range(3))
+
+    def body(carry, xc):
+      m, acc = carry
+      return (m, acc + jnp.sum(m(xc[0]) * xc[1])), None
+
+    (_, acc), _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(
+        (m, jnp.zeros((), F32)), (xs, cs))
+    return acc
+
+  micro, whole = _fp8_linear(grad_scaling), _fp8_linear(grad_scaling)
+  step = nnx.jit(lambda m, xs, cs: mp.fp8.value_and_grad(accumulate)(m, xs, cs))
+  full = nnx.jit(lambda m, x, c: mp.fp8.value_and_grad(lambda m, x, c: jnp.sum(m(x) * c))(
+      m, x, c))
+  for _ in range(3):  # the delayed scale takes effect from the second step on
+    step(micro, xs, cs)
+    full(whole, xs.reshape(12, 8), cs.reshape(12, 8))
+    _assert_grad_state_equal(_grad_state(micro), _grad_state(whole))
+  assert float(_grad_state(whole)["scale"]) != 1.0 and _grad_state(whole)["underflowed"] > 0
+
+
+def test_linen_shared_gemm_combines_grad_state_by_max():
+  """A shared Linen Dense called twice records what two separate Denses with the same
+  params record, combined (max / sum), with the grad collection immutable."""
+  cfg = mp.Fp8Config(scaling="delayed", amax_history_len=4)
+  dg = functools.partial(mp.fp8.LinenFp8DotGeneral, config=cfg,
+                         scaling={"lhs": "current", "rhs": "current", "grad": "delayed"})
+
+  class Net(nn.Module):
+    tied: bool
+
+    @nn.compact
+    def __call__(self, x):
+      first = nn.Dense(8, use_bias=False, dot_general_cls=dg, name="first")
+      second = first if self.tied else nn.Dense(8, use_bias=False, dot_general_cls=dg,
+                                                name="second")
+      return second(jnp.tanh(first(x)))
+
+  x = jnp.asarray(np.random.default_rng(10).standard_normal((4, 8)), F32)
+
+  def grad_state(net, v):
+    def loss(params, gs):
+      out, _ = net.apply({**v, "params": params, mp.fp8.GRAD_COLLECTION: gs}, x,
+                         mutable=[mp.fp8.STATE_COLLECTION])
+      return jnp.sum(out ** 2)
+    g = jax.jit(jax.grad(loss, argnums=1))(v["params"], v[mp.fp8.GRAD_COLLECTION])
+    return mp.fp8.merge_fp8_grad_state(v[mp.fp8.GRAD_COLLECTION], g)
+
+  tied, untied = Net(True), Net(False)
+  vt = tied.init(jax.random.key(0), x)
+  vu = untied.init(jax.random.key(0), x)
+  vu = {**vu, "params": {"first": vt["params"]["first"], "second": vt["params"]["first"]}}
+  got = grad_state(tied, vt)["first"]["LinenFp8DotGeneral_0"]
+  per_use = grad_state(untied, vu)
+  states = [{f: np.asarray(per_use[n]["LinenFp8DotGeneral_0"][f"grad_{f}"]) for f in _GRAD_FIELDS}
+            for n in ("first", "second")]
+  assert states[0]["amax_history"][0] != states[1]["amax_history"][0]
+  _assert_grad_state_equal({f: np.asarray(got[f"grad_{f}"]) for f in _GRAD_FIELDS},
+                           _combined(states))
+
+
+def test_linen_bound_module_across_traces():
+  """A bound Linen fp8 module called under two jits and eagerly: each trace starts its own
+  token chain (a token of one trace reused in another would be an escaped tracer)."""
+  dense = nn.Dense(8, dot_general_cls=functools.partial(
+      mp.fp8.LinenFp8DotGeneral, config=mp.Fp8Config(scaling="delayed", amax_history_len=4)))
+  x = jnp.ones((2, 8), F32)
+  bound = dense.bind(dense.init(jax.random.key(0), x))
+  a = jax.jit(lambda x: bound(x))(x)
+  b = jax.jit(lambda x: bound(x) * 2)(x)
+  np.testing.assert_array_equal(np.asarray(b), 2 * np.asarray(a))
+  np.testing.assert_array_equal(np.asarray(bound(x)), np.asarray(a))
+
+
+def test_linen_microbatches_threaded_through_applies():
+  """Two applies in one differentiated function, each given the collections the previous
+  one returned: the gradient state is that of one apply on the concatenated batch."""
+  cfg = mp.Fp8Config(scaling="delayed", amax_history_len=4)
+  dense = nn.Dense(8, use_bias=False, dot_general_cls=functools.partial(
+      mp.fp8.LinenFp8DotGeneral, config=cfg))
+  rng = np.random.default_rng(15)
+  x = jnp.asarray(rng.standard_normal((2, 4, 8)), F32)
+  c = jnp.asarray(rng.standard_normal((2, 4, 8)), F32)
+  v = dense.init(jax.random.key(0), x[0])
+  cols = [mp.fp8.STATE_COLLECTION, mp.fp8.GRAD_COLLECTION]
+
+  def micro(params, gs):
+    state = {**v, "params": params, mp.fp8.GRAD_COLLECTION: gs}
+    total = jnp.zeros((), F32)
+    for i in range(2):
+      out, upd = dense.apply(state, x[i], mutable=cols)
+      state = {**state, **upd}
+      total = total + jnp.sum(out * c[i])
+    return total
+
+  def whole(params, gs):
+    out, _ = dense.apply({**v, "params": params, mp.fp8.GRAD_COLLECTION: gs},
+                         x.reshape(8, 8), mutable=cols)
+    return jnp.sum(out * c.reshape(8, 8))
+
+  gs = v[mp.fp8.GRAD_COLLECTION]
+  got = jax.jit(jax.grad(micro, argnums=1))(v["params"], gs)
+  want = jax.jit(jax.grad(whole, argnums=1))(v["params"], gs)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert float(want["LinenFp8DotGeneral_0"]["grad_amax_history"][0]) > 0
+
+
+def test_functional_state_threaded_through_lax_scan():
+  """fp8_dot_general in a lax.scan recurrence, its state carried: the gradient state that
+  comes out (the cotangent of the initial state) is the max over the uses."""
+  spec = mp.fp8.Fp8Spec.from_config(mp.Fp8Config(scaling="delayed", amax_history_len=4),
+                                    {"lhs": "current", "rhs": "current", "grad": "delayed"})
+  rng = np.random.default_rng(11)
+  w = jnp.asarray(0.5 * rng.standard_normal((8, 8)), F32)
+  x = jnp.asarray(rng.standard_normal((4, 8)), F32)
+
+  def run(gs, threaded):
+    def body(carry, _):
+      h, st = carry
+      y, new = mp.fp8.fp8_dot_general(h, w, DN, st, spec)
+      return (jnp.tanh(y), new if threaded else st), None
+    (h, _), _ = jax.lax.scan(body, (x, spec.init_state()._replace(grad=gs)), None, length=3)
+    return jnp.sum(h * h)
+
+  gs0 = spec.init_state().grad
+  threaded = jax.jit(jax.grad(lambda gs: run(gs, True)))(gs0)
+
+  def per_use(gs_list):  # three separate states, one per step: the uncombined reference
+    h = x
+    for gs in gs_list:
+      y, _ = mp.fp8.fp8_dot_general(h, w, DN, spec.init_state()._replace(grad=gs), spec)
+      h = jnp.tanh(y)
+    return jnp.sum(h * h)
+
+  sep = jax.jit(jax.grad(per_use))([gs0] * 3)
+  want = _combined([{f: np.asarray(getattr(s, f)) for f in _GRAD_FIELDS} for s in sep])
+  _assert_grad_state_equal({f: np.asarray(getattr(threaded, f)) for f in _GRAD_FIELDS}, want)
+  assert float(want["amax_history"][0]) > float(min(s.amax_history[0] for s in sep))
+
+
+def test_two_calls_from_one_state_raise_naming_the_layer():
+  model = nnx.Sequential(_fp8_linear(), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+  x = jnp.ones((4, 8), F32)
+
+  def forked(m, x):
+    copy = nnx.clone(m)  # a second model from the same state: its calls start over
+    return jnp.sum(m(x) ** 2) + jnp.sum(copy(x) ** 2)
+
+  with pytest.raises(ValueError, match="fp8 GEMM 'layers/0': two calls read the same"):
+    nnx.jit(lambda m, x: mp.fp8.value_and_grad(forked)(m, x))(model, x)
+
+
+# ------------------------------------------------------------------- non-finite amaxes
+
+
+@pytest.mark.parametrize("amax_compute", ["max", "most_recent"])
+def test_nonfinite_amax_does_not_freeze_the_delayed_scale(amax_compute):
+  """Delayed scaling, history 4: a step whose gradient holds inf is recorded, then the
+  scale follows the finite data again from the next step on. (With inf taking part in the
+  history's max, the scale stayed frozen until the inf left the history, 4 steps.)"""
+  spec = mp.fp8.Fp8Spec.from_config(mp.Fp8Config(scaling="delayed", amax_history_len=4,
+                                                 amax_compute=amax_compute))
+  step = _step(spec)
+  rng = np.random.default_rng(12)
+  x = jnp.asarray(rng.standard_normal((8, 16)), F32)
+  w = jnp.asarray(rng.standard_normal((16, 8)), F32)
+  g = rng.standard_normal((8, 8)).astype(np.float32)
+  g /= np.abs(g).max()  # amax 1
+  bad = g.copy()
+  bad[0, 0] = np.inf
+  state = spec.init_state()
+  amaxes = [1.0, np.inf, 4.0, 4.0, 16.0]
+  used = []
+  for a, gi in zip(amaxes, [g, bad, 4 * g, 4 * g, 16 * g]):
+    _, dx, dw, state = step(x, w, jnp.asarray(gi), state)
+    used.append(float(state.grad.scale))  # the scale this step quantized with
+  fmax = formats.info("e5m2").max
+  # Each step scales with the largest finite amax of the steps before it (the first with
+  # the initial 1.0); "most_recent" keeps the previous scale once, after the inf step.
+  expected = {"max": [1.0, 1 / fmax, 1 / fmax, 4 / fmax, 4 / fmax],
+              "most_recent": [1.0, 1 / fmax, 1 / fmax, 4 / fmax, 4 / fmax]}[amax_compute]
+  np.testing.assert_allclose(used, expected, rtol=1e-6)
+  hist = np.asarray(state.grad.amax_history)
+  # A ring, newest at 0 (Flax and TE order): 16, then inf, 4, 4 from the end; 1 dropped.
+  np.testing.assert_array_equal(hist, [16.0, np.inf, 4.0, 4.0])  # the inf is recorded
+  assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
+
+
+def test_nonfinite_forward_amax_recorded_not_scaled_with():
+  recipe = sc.OperandRecipe(fmt="e4m3", scaling="delayed", history_len=3)
+  hist = jnp.asarray([np.inf, 2.0, np.nan], F32)
+  assert float(sc.history_amax(hist, recipe)) == 2.0
+  assert float(sc.history_amax(jnp.asarray([np.nan, np.inf, 0.0], F32), recipe)) == 0.0
+  recent = sc.OperandRecipe(fmt="e4m3", scaling="delayed", amax_compute="most_recent")
+  prev = jnp.asarray(0.25, F32)
+  assert float(sc.scale_from_amax(sc.history_amax(hist, recent), recent, prev)) == 0.25
+
+
+# ------------------------------------------------------- rollback with a skipped step
+
+
+def _fp8_state_np(state):
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in
+          jax.tree_util.tree_flatten_with_path(nnx.filter_state(state, mp.fp8.Fp8State))[0]}
+
+
+def test_rollback_fp8_state_with_guard():
+  """A step the guard skips (non-finite grads) leaves the fp8 state bit-identical, forward
+  and gradient operands alike; a finite step updates it."""
+  recipe = mp.get_recipe("fp8_hybrid")
+  model = nnx.Sequential(nnx.Linear(8, 16, use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+                         nnx.Linear(16, 4, use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(1)))
+  mp.fp8.apply_fp8(model, mp.Fp8Config(amax_history_len=4), recipe.policy)
+  graphdef, params, state = nnx.split(model, nnx.Param, ...)
+  tx = mp.optim.build_optimizer(recipe, optax.sgd(0.1))
+  opt_state = tx.init(params)
+  x = jnp.asarray(np.random.default_rng(13).standard_normal((4, 8)), F32)
+
+  @jax.jit
+  def step(params, state, opt_state, poison):
+    before = jax.tree.map(lambda v: v, state)
+    m = nnx.merge(graphdef, params, state)
+    _, grads = mp.fp8.value_and_grad(
+        lambda m: jnp.sum(m(x).astype(F32) ** 2) * poison)(m)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    skipped = mp.optim.step_skipped(opt_state, new_opt)
+    new_state = mp.fp8.rollback_fp8_state(nnx.state(m, nnx.Not(nnx.Param)), before, skipped)
+    return mp.optim.apply_updates(params, updates), new_state, new_opt, skipped
+
+  p1, s1, o1, skipped = step(params, state, opt_state, jnp.float32(1.0))
+  assert not bool(skipped)
+  before, after = _fp8_state_np(state), _fp8_state_np(s1)
+  changed = [k for k in before if not np.array_equal(before[k], after[k])]
+  assert any("lhs_amax_history" in k for k in changed)
+  assert any("grad_amax_history" in k for k in changed)
+  # A NaN loss: NaN grads (an inf cotangent would not do: fp8 quantization clips it to
+  # the E5M2 max, so the grads would stay finite).
+  p2, s2, o2, skipped = step(p1, s1, o1, jnp.float32(np.nan))
+  assert bool(skipped) and int(mp.optim.optimizer_metrics(o2)["skipped_steps"]) == 1
+  for k, v in _fp8_state_np(s1).items():
+    np.testing.assert_array_equal(_fp8_state_np(s2)[k].view(np.uint32), v.view(np.uint32),
+                                  err_msg=k)
+  with pytest.raises(ValueError, match="only one of the two optimizer states"):
+    mp.optim.step_skipped(o1, {})
+  assert not bool(mp.optim.step_skipped({}, {}))
+
+
+def test_trainlib_step_rolls_back_fp8_state_of_a_skipped_step():
+  """experiments.trainlib's step: a finite step updates the fp8 state; a step made
+  non-finite (NaN in the bf16 lm_head, after every fp8 GEMM) is skipped by the guard and
+  leaves params and fp8 state bit-identical."""
+  from experiments import trainlib
+  from models import gpt
+
+  one_block = gpt.GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+  cfg = trainlib.TrainConfig(recipe="fp8_hybrid", model=one_block, steps=2, batch=2,
+                             progress=False)
+  run, state = trainlib.init_state(cfg)
+  tokens = np.random.default_rng(14).integers(0, 256, (2, 16)).astype(np.int32)
+  compiled = trainlib.compile_step(run, state, tokens)
+  fp8_0 = _fp8_state_np(state.model_state)
+  state, m1 = trainlib.step_once(compiled, state, tokens)
+  fp8_1 = _fp8_state_np(state.model_state)
+  assert m1["skipped_steps"] == 0
+  histories = [k for k in fp8_0 if "amax_history" in k]
+  assert len(histories) == 15  # 5 fp8 GEMMs in the block x 3 operands
+  assert all(not np.array_equal(fp8_0[k], fp8_1[k]) for k in histories)
+  poisoned = jax.tree_util.tree_map_with_path(
+      lambda p, v: jnp.full_like(v, np.nan) if "lm_head" in jax.tree_util.keystr(p) else v,
+      state.params)
+  params_1 = [np.asarray(v) for v in jax.tree.leaves(poisoned)]
+  state = state._replace(params=poisoned)
+  state, m2 = trainlib.step_once(compiled, state, tokens)
+  assert m2["skipped_steps"] == 1 and not np.isfinite(m2["loss"])
+  fp8_2 = _fp8_state_np(state.model_state)
+  for k in fp8_1:
+    np.testing.assert_array_equal(fp8_2[k].view(np.uint32), fp8_1[k].view(np.uint32), err_msg=k)
+  for a, b in zip(jax.tree.leaves(state.params), params_1):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint16 if a.dtype.itemsize == 2
+                                                     else np.uint32),
+                                  b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32))

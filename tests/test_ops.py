@@ -35,18 +35,57 @@ def test_cross_entropy_f32_and_mask():
   ref = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(F32)),
                                       labels[..., None], -1))
   np.testing.assert_allclose(loss, ref, rtol=1e-6)
-  half = ops.cross_entropy(logits, labels, where=jnp.arange(5) < 2)
-  assert np.isfinite(half)
+  # Masked: the mean over the counted tokens only (first 2 of 5 positions in each row),
+  # against an f64 reference of the same f32 logits.
+  mask = np.arange(5) < 2
+  lf = np.asarray(logits.astype(F32), np.float64)
+  logp = lf - np.log(np.sum(np.exp(lf - lf.max(-1, keepdims=True)), -1, keepdims=True)) \
+      - lf.max(-1, keepdims=True)
+  nll = -np.take_along_axis(logp, np.asarray(labels)[..., None], -1)[..., 0]
+  half = ops.cross_entropy(logits, labels, where=jnp.asarray(mask))
+  assert half.dtype == F32
+  np.testing.assert_allclose(float(half), nll[:, mask].mean(), rtol=1e-6)
+  assert abs(float(half) - nll.mean()) > 1e-3  # the mask matters for these logits
+  per_row = jnp.asarray([[True] * 5, [False] * 5])  # a [2, 5] mask: row 0 only
+  np.testing.assert_allclose(float(ops.cross_entropy(logits, labels, where=per_row)),
+                             nll[0].mean(), rtol=1e-6)
+  assert float(ops.cross_entropy(logits, labels, where=jnp.zeros((2, 5), bool))) == 0.0
   with pytest.raises(ValueError, match="integers"):
     ops.cross_entropy(logits, labels.astype(F32))
 
 
-def test_rotary_keeps_norm_and_dtype():
-  x = jax.random.normal(jax.random.key(0), (1, 6, 2, 8), F32).astype(BF16)
-  y = ops.rotary_embedding(x, jnp.arange(6))
+def _rotary_reference(x, positions, base=10000.0):
+  """Half-split rotary embedding in f64: pair (i, i + D/2) rotated by the angle
+  position * base**(-2i/D), i < D/2 (Su et al., RoFormer; GPT-NeoX / Llama layout)."""
+  x = np.asarray(x, np.float64)
+  d = x.shape[-1]
+  inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+  ang = np.asarray(positions, np.float64)[:, None] * inv_freq  # [T, D/2]
+  sin, cos = np.sin(ang)[:, None, :], np.cos(ang)[:, None, :]  # over heads
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_rotary_matches_reference_values_and_keeps_dtype():
+  positions = jnp.asarray([0, 1, 2, 7, 100, 4095])
+  x32 = jax.random.normal(jax.random.key(0), (1, 6, 2, 8), F32)
+  ref = _rotary_reference(np.asarray(x32), np.asarray(positions))
+  y32 = ops.rotary_embedding(x32, positions)
+  assert y32.dtype == F32
+  # f32 tables and rotation: a few f32 ulps of the vector's scale (angles up to 4095).
+  np.testing.assert_allclose(np.asarray(y32), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+  np.testing.assert_array_equal(np.asarray(y32[:, 0]), np.asarray(x32[:, 0]))  # position 0
+  x = x32.astype(BF16)
+  y = ops.rotary_embedding(x, positions)
   assert y.dtype == BF16
-  np.testing.assert_allclose(jnp.linalg.norm(y.astype(F32), axis=-1),
-                             jnp.linalg.norm(x.astype(F32), axis=-1), rtol=2e-2)
+  # Computed in f32, rounded once to bf16: within one bf16 ulp of the exact value.
+  ref16 = _rotary_reference(np.asarray(x.astype(F32)), np.asarray(positions))
+  ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref16), 2.0 ** -126))) - 7)
+  assert np.all(np.abs(np.asarray(y.astype(F32), np.float64) - ref16) <= ulp)
+  # A known value: head_dim 2 rotates (1, 0) by the position itself (frequency 1).
+  unit = jnp.asarray([[[1.0, 0.0]], [[1.0, 0.0]]], F32)[None]  # [1, T=2, H=1, D=2]
+  np.testing.assert_allclose(np.asarray(ops.rotary_embedding(unit, jnp.asarray([0, 3])))[0, :, 0],
+                             [[1.0, 0.0], [np.cos(3.0), np.sin(3.0)]], rtol=0, atol=1e-6)
   with pytest.raises(ValueError, match="even"):
     ops.rotary_tables(jnp.arange(3), 5)
 

@@ -240,3 +240,124 @@ def test_f16_model_tiny_scale_with_injected_overflows():
   print("non-finite steps", nonfinite, "final scale", float(po.loss_scale_of(state)))
   assert any(natural), "the growing scale never overflowed f16 on its own"
   assert np.isfinite(float(loss)) and float(loss) < 20.0
+
+
+# ----------------------------------------------- dtypes, tree maps, validation (issue B1-B6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_adjust_keeps_scale_and_counter_dtypes(dtype):
+  """An array scale keeps its dtype through both branches of `adjust`, under jit and as a
+  lax.scan carry; counters keep theirs (int16 here)."""
+  ls = po.DynamicLossScale(jnp.asarray(2.0 ** 10, dtype), growth_interval=2,
+                           growth_tracker=jnp.asarray(0, jnp.int16),
+                           hysteresis_tracker=jnp.asarray(1, jnp.int16))
+  traces = []
+
+  @jax.jit
+  def adjust(s, f):
+    traces.append(1)
+    return s.adjust(f)
+
+  for flag in (True, True, False, True, False):
+    ls = adjust(ls, jnp.asarray(flag))
+    assert ls.loss_scale.dtype == dtype
+    assert ls.growth_tracker.dtype == ls.hysteresis_tracker.dtype == jnp.int16
+  assert len(traces) == 1  # one trace: nothing drifted
+  assert float(ls.loss_scale) == 2.0 ** 9  # 2^10 -> 2^11 -> 2^10 -> 2^10 -> 2^9
+  final, scales = jax.lax.scan(lambda s, f: (s.adjust(f), s.loss_scale), ls,
+                               jnp.asarray([True] * 6 + [False]))
+  assert scales.dtype == final.loss_scale.dtype == dtype
+  assert float(final.loss_scale) == 2.0 ** 11
+
+
+def test_f16_scale_stops_growing_below_f16_overflow():
+  ls = po.DynamicLossScale(jnp.asarray(2.0 ** 12, jnp.float16), growth_interval=1)
+  for _ in range(6):
+    ls = ls.adjust(jnp.asarray(True))
+  assert ls.loss_scale.dtype == jnp.float16 and float(ls.loss_scale) == 2.0 ** 15
+
+
+def test_tree_map_and_unflatten_pass_leaves_through():
+  ls = po.DynamicLossScale(2.0 ** 15, growth_interval=7, hysteresis=3)
+  zeros = jax.tree.map(lambda _: 0, ls)
+  assert (zeros.loss_scale, zeros.growth_tracker, zeros.hysteresis_tracker) == (0, 0, 0)
+  sizes = jax.tree.map(lambda x: x.size, ls)
+  assert all(type(x) is int for x in jax.tree.leaves(sizes))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ls)
+  assert abstract.loss_scale == jax.ShapeDtypeStruct((), jnp.float32)
+  assert (abstract.growth_interval, abstract.hysteresis) == (7, 3)
+  assert jax.tree.map(lambda _: 0, po.StaticLossScale(4.0)).loss_scale == 0
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ls)[0]]
+  assert paths == [".loss_scale", ".growth_tracker", ".hysteresis_tracker"]
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: po.StaticLossScale(jnp.asarray(0.0)), "StaticLossScale.loss_scale=0.0"),
+    (lambda: po.StaticLossScale(np.float32(np.inf)), "loss_scale=inf"),
+    (lambda: po.DynamicLossScale(jnp.asarray(-2.0, jnp.bfloat16)), "loss_scale=-2.0"),
+    (lambda: po.DynamicLossScale(jnp.asarray(np.nan)), "DynamicLossScale.loss_scale=nan"),
+    (lambda: po.DynamicLossScale(jnp.asarray(4, jnp.int32)), "dtype int32"),
+    (lambda: po.DynamicLossScale(jnp.ones(2)), r"shape \(2,\)"),
+    (lambda: po.DynamicLossScale(True), "accepted: a Python number"),
+    (lambda: po.DynamicLossScale(2.0, growth_tracker=jnp.asarray(-1)), "growth_tracker=-1"),
+    (lambda: po.DynamicLossScale(2.0, growth_interval=2.5), "growth_interval=2.5"),
+])
+def test_array_inputs_are_validated(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_traced_scale_is_accepted():
+  out = jax.jit(lambda s: po.DynamicLossScale(s).adjust(jnp.asarray(False)).loss_scale)(
+      jnp.asarray(8.0, jnp.bfloat16))
+  assert out.dtype == jnp.bfloat16 and float(out) == 4.0
+
+
+def test_settings_are_keyword_only():
+  with pytest.raises(TypeError, match="positional"):
+    po.DynamicLossScale(1.0, jnp.zeros([], jnp.int32), 2000, 2)  # jmp's positional order
+
+
+@pytest.mark.parametrize("ls", [po.StaticLossScale(8.0), po.DynamicLossScale(8.0)])
+def test_scale_and_unscale_treat_the_same_leaves(ls):
+  tree = {"f16": jnp.asarray([3.0], jnp.float16), "i": jnp.asarray([3], jnp.int32),
+          "key": jax.random.key(0)}
+  scaled, unscaled = ls.scale(tree), ls.unscale(tree)
+  assert scaled["i"] is tree["i"] and unscaled["i"] is tree["i"]
+  assert scaled["key"] is tree["key"] and unscaled["key"] is tree["key"]
+  assert scaled["f16"].dtype == unscaled["f16"].dtype == jnp.float32
+  assert float(scaled["f16"][0]) == 24.0 and float(unscaled["f16"][0]) == 0.375
+
+
+def test_custom_loss_scale_protocol():
+  """Any pytree with loss_scale/scale/unscale/adjust is a LossScale and drives the guard."""
+
+  @jax.tree_util.register_static
+  class Fixed:
+    """A fixed scale held as static metadata: a loss scale of one's own."""
+
+    def __init__(self, s=1024.0):
+      self.s = s
+
+    @property
+    def loss_scale(self):
+      return jnp.asarray(self.s, jnp.float32)
+
+    def scale(self, tree):
+      return jax.tree.map(lambda x: x * self.loss_scale, tree)
+
+    def unscale(self, tree):
+      return jax.tree.map(lambda g: g / self.loss_scale, tree)
+
+    def adjust(self, grads_finite):
+      del grads_finite
+      return self
+
+  assert isinstance(Fixed(), precision.LossScale)
+  assert isinstance(po.DynamicLossScale(2.0), po.LossScale)
+  assert not isinstance(2.0, po.LossScale)
+  tx = po.loss_scaling(optax.sgd(1.0), Fixed())
+  state = tx.init({"w": jnp.ones(2)})
+  u, state = tx.update({"w": jnp.full(2, 512.0)}, state)
+  np.testing.assert_array_equal(np.asarray(u["w"]), [-0.5, -0.5])

@@ -4,7 +4,8 @@ An fp8 `dot_general` with a custom VJP (forward operands in E4M3, the incoming g
 E5M2, every GEMM on fp8 operands with f32 accumulation), its scaling recipes, the scaling
 state as NNX Variables (`Fp8State`, `Fp8GradState`) or Linen collections, `apply_fp8` to
 route a model's Linear/Einsum GEMMs through it, `value_and_grad` to carry the gradient
-operand's state out of a step, `fp8_metrics` and `sync_fp8_state`.
+operand's state out of a step, `rollback_fp8_state` to undo a step the optimizer guard
+skipped, `fp8_metrics` and `sync_fp8_state`.
 
 Examples:
   >>> import jax.numpy as jnp, precision as mp
@@ -35,6 +36,7 @@ from precision.fp8._nnx import apply_fp8
 from precision.fp8._nnx import einsum_dimension_numbers
 from precision.fp8._nnx import fp8_modules
 from precision.fp8._nnx import merge_grad_state
+from precision.fp8._nnx import rollback_fp8_state
 from precision.fp8._nnx import update_fp8_grad_state
 from precision.fp8._nnx import value_and_grad
 from precision.fp8._scaling import OperandRecipe
@@ -62,6 +64,7 @@ __all__ = [
     "merge_grad_state",
     "merge_fp8_grad_state",
     "quantize",
+    "rollback_fp8_state",
     "scale_from_amax",
     "scaled_matmul",
     "sync_fp8_state",

@@ -167,7 +167,7 @@ def _forward(static: _Static, a, b, sa, sb):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fp8_bmm(static: _Static, a, b, sa, sb, grad_state: sc.OperandState):
   out, stats, _, _ = _forward(static, a, b, sa, sb)
-  return out, stats
+  return out, stats, grad_state
 
 
 def _fp8_bmm_fwd(static: _Static, a, b, sa, sb, grad_state):
@@ -177,7 +177,9 @@ def _fp8_bmm_fwd(static: _Static, a, b, sa, sb, grad_state):
   # re-quantized along the backward GEMM's contraction, so their input is kept instead.
   ra = xa.q if static.spec.lhs.per_tensor else a
   rb = xb.q if static.spec.rhs.per_tensor else b
-  return (out, stats), (ra, rb, sa, sb, grad_state)
+  # The gradient state passes through unchanged (the "token"): threaded into the next use
+  # of this GEMM, its cotangent brings that use's new state back to this one (below).
+  return (out, stats, grad_state), (ra, rb, sa, sb, grad_state)
 
 
 def _transposed(res, scale, recipe: sc.OperandRecipe, side: str) -> sc.Quantized:
@@ -191,7 +193,7 @@ def _transposed(res, scale, recipe: sc.OperandRecipe, side: str) -> sc.Quantized
 def _fp8_bmm_bwd(static: _Static, res, cts):
   spec = static.spec
   ra, rb, sa, sb, gs = res
-  g = cts[0]
+  g, later = cts[0], cts[2]
   rg = spec.grad
   g_amax = sc.tensor_amax(g)
   if rg.scaling == "delayed":
@@ -217,9 +219,9 @@ def _fp8_bmm_bwd(static: _Static, res, cts):
   else:
     qa = _quantize_current(ra, spec.lhs, "right")[0]
   db = jnp.swapaxes(scaled_matmul(qgt, qa), 1, 2)
-  new_gs = sc.OperandState(history, sc.record_scale(qg.scale), sat, unf)
+  own = sc.OperandState(history, sc.record_scale(qg.scale), sat, unf)
   return (da.astype(static.lhs_dtype), db.astype(static.rhs_dtype),
-          jnp.zeros_like(sa), jnp.zeros_like(sb), new_gs)
+          jnp.zeros_like(sa), jnp.zeros_like(sb), sc.combine_grad_states(own, later))
 
 
 _fp8_bmm.defvjp(_fp8_bmm_fwd, _fp8_bmm_bwd)
@@ -256,9 +258,18 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, state: Fp
 
   Returns:
     (out, new_state). new_state carries the updated lhs/rhs histories, scales and counters;
-    its `grad` field is `state.grad` unchanged: the gradient operand's new state is the
-    *cotangent* of `state.grad` (it only exists in the backward pass). Differentiate with
-    respect to `state.grad` and store that "gradient" as the new grad state.
+    its `grad` field has the values of `state.grad`, unchanged: the gradient operand's new
+    state is the *cotangent* of `state.grad` (it only exists in the backward pass).
+    Differentiate with respect to `state.grad` and store that "gradient" as the new grad
+    state.
+
+  A GEMM used several times in one differentiated function (tied weights, a recurrence,
+  micro-batches): pass each call's `new_state` to the next call, as for the forward state
+  (an NNX module does it by itself). `new_state.grad` is then a token whose cotangent
+  carries the later uses' gradient state back to the earlier ones, and the state that
+  comes out is that of one use of the concatenated gradient operand: amax history and
+  scale combined by max, saturation and underflow counts summed. Two calls given the same
+  `state.grad` would instead have their states added by autodiff.
 
   Examples:
     >>> import jax, jax.numpy as jnp, precision as mp
@@ -284,11 +295,11 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, state: Fp
   sa, hist_a = _forward_scale(a, spec.lhs, state.lhs, "left")
   sb, hist_b = _forward_scale(b, spec.rhs, state.rhs, "right")
   static = _Static(spec, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-  out, (sat_a, unf_a, sat_b, unf_b) = _fp8_bmm(static, a, b, sa, sb, state.grad)
+  out, (sat_a, unf_a, sat_b, unf_b), grad_token = _fp8_bmm(static, a, b, sa, sb, state.grad)
   out_shape = ([lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lf]
                + [rhs.shape[i] for i in rf])
   new_state = Fp8DotState(
       lhs=sc.OperandState(hist_a, sc.record_scale(sa), sat_a, unf_a),
       rhs=sc.OperandState(hist_b, sc.record_scale(sb), sat_b, unf_b),
-      grad=state.grad)
+      grad=grad_token)
   return out.reshape(out_shape), new_state

@@ -13,6 +13,14 @@ State flow (no host sync; everything is an output of the jitted step):
   `precision.fp8.value_and_grad` does both. We keep the forward state out of that trick
   (unlike Flax, which routes all six arrays through gradients) so that an ordinary forward
   pass -- evaluation, or a caller that forgets the gradient state -- still updates it.
+* a module called several times in one differentiated step (tied weights, a recurrence,
+  micro-batches): each call writes the gradient state back unchanged, as a token that the
+  next call reads, and whose cotangent carries the later calls' new state back to the
+  earlier ones. The state stored is that of one use of the concatenated gradient operand
+  (amax history and scale by max, counts summed); without the token autodiff would add
+  the calls' states and double the scale each step.
+* a step the optimizer guard skips: `rollback_fp8_state` restores the fp8 state of the
+  model from before the step (the guard only sees the optimizer's state).
 
 Examples:
   >>> import jax.numpy as jnp, precision as mp
@@ -28,6 +36,8 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import fnmatch
 from typing import Any, Callable, Mapping
 
@@ -42,6 +52,47 @@ from precision.fp8 import _scaling as sc
 from precision.fp8._dot import OPERANDS, Fp8DotState, Fp8Spec, fp8_dot_general
 
 STATE_FIELDS = sc.OperandState._fields  # amax_history, scale, saturated, underflowed
+
+
+class _GradTrace:
+  """What `value_and_grad` watches while it differentiates: each fp8 GEMM's gradient-state
+  token must be read once, by the next call of that GEMM. A token read twice means two
+  calls started from one state (a module merged twice from one state, a clone): autodiff
+  would add their gradient states, so this raises instead, naming the layer."""
+
+  def __init__(self, names: dict[int, str]):
+    self.names = names  # id(Fp8DotGeneral) -> layer path, for the error message
+    # id(token) -> (token, path of the GEMM that read it); the token is kept alive so that
+    # ids stay unique while the trace runs.
+    self.read: dict[int, tuple[Any, str | None]] = {}
+
+  def consume(self, module: Fp8DotGeneral, token: Any) -> None:
+    name = self.names.get(id(module))
+    seen = self.read.get(id(token))
+    if seen is not None and seen[0] is token:
+      name = name or seen[1] or "an fp8 GEMM inside a transform"
+      raise ValueError(
+          f"fp8 GEMM {name!r}: two calls read the same gradient-scaling state in one "
+          "differentiated function, so autodiff would add their gradient states (the scale "
+          "would double). Call the layer through the model itself, whose every call passes "
+          "the state on to the next (tied weights, recurrences, micro-batch loops, nnx.scan "
+          "with the model as carry all do), not through copies merged or cloned from one "
+          "state.")
+    self.read[id(token)] = (token, name)
+
+
+_GRAD_TRACE: contextvars.ContextVar[_GradTrace | None] = contextvars.ContextVar(
+    "precision_fp8_grad_trace", default=None)
+
+
+@contextlib.contextmanager
+def _watch_grad_state(model: Any):
+  trace = _GradTrace({id(m): name or "<root>" for name, m in fp8_modules(model)})
+  token = _GRAD_TRACE.set(trace)
+  try:
+    yield
+  finally:
+    _GRAD_TRACE.reset(token)
 
 
 class Fp8State(nnx.Variable):
@@ -102,10 +153,17 @@ class Fp8DotGeneral(nnx.Module):
       # f32 inputs), so the layer's own code (bias add, promotion) traces unchanged.
       out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     state = Fp8DotState(*(self._operand_state(op) for op in OPERANDS))
+    trace = _GRAD_TRACE.get()
+    if trace is not None:
+      trace.consume(self, state.grad.scale)
     out, new = fp8_dot_general(lhs, rhs, dimension_numbers, state, self.spec,
                                out_dtype=out_dtype)
     self._store("lhs", new.lhs)
     self._store("rhs", new.rhs)
+    # The gradient state's token (same values): the next call of this module in the same
+    # differentiated function reads it, so the uses' gradient states combine by max
+    # (`fp8_dot_general`) instead of being added by autodiff.
+    self._store("grad", new.grad)
     return out
 
   def update_grad_state(self, new: Mapping[str, jax.Array]) -> None:
@@ -275,6 +333,51 @@ def merge_grad_state(state: nnx.State, state_grads: nnx.State) -> nnx.State:
       [(path, var.replace(merged[path]) if path in merged else var) for path, var in flat])
 
 
+def rollback_fp8_state(new_state: Any, old_state: Any, skipped: Any) -> Any:
+  """The fp8 scaling state after a step the optimizer guard may have skipped.
+
+  A skipped step leaves params and optimizer state bit-identical (`precision.optim`'s
+  guard); the fp8 scaling state lives in the model, out of the optimizer's reach, so the
+  training step rolls it back here: where `skipped`, every `Fp8State` / `Fp8GradState`
+  variable (forward and gradient operands: histories, scales, counters) is taken from
+  `old_state`, bit for bit; other variables and unskipped steps keep `new_state`.
+
+  Args:
+    new_state: the model state after the step, an `nnx.State` (e.g. ``nnx.state(model,
+      nnx.Not(nnx.Param))``), or a plain pytree holding fp8 state only (a Linen
+      collection), whose every leaf is then selected.
+    old_state: the same state's values before the step (same structure). Take it before
+      `nnx.merge`: the merged model shares that State's Variables and its calls update
+      them in place; ``jax.tree.map(lambda x: x, state)`` is a copy that stays as it was.
+    skipped: bool scalar, e.g. ``precision.optim.step_skipped(opt_state, new_opt_state)``.
+
+  Examples:
+    >>> before = jax.tree.map(lambda x: x, model_state)
+    >>> model = nnx.merge(graphdef, params, model_state)
+    >>> loss, grads = precision.fp8.value_and_grad(loss_fn)(model, batch)
+    >>> updates, new_opt_state = tx.update(grads, opt_state, params)
+    >>> skipped = precision.optim.step_skipped(opt_state, new_opt_state)
+    >>> model_state = rollback_fp8_state(nnx.state(model, nnx.Not(nnx.Param)), before,
+    ...                                  skipped)
+  """
+  from precision.optim import select_tree  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(new_state, nnx.State):
+    return select_tree(skipped, old_state, new_state)
+  old = {tuple(path): var for path, var in nnx.to_flat_state(old_state)}
+  flat = list(nnx.to_flat_state(new_state))
+  if set(old) != {tuple(path) for path, _ in flat}:
+    raise ValueError("rollback_fp8_state: new_state and old_state hold different variables; "
+                     "accepted: the same model state before and after one step")
+  out = []
+  for path, var in flat:
+    if isinstance(var, Fp8State):
+      prev = old[tuple(path)][...]
+      var = var.replace(select_tree(skipped, prev, var[...]))
+    out.append((path, var))
+  return nnx.from_flat_state(out)
+
+
 def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
   """`nnx.value_and_grad` of ``fn(model, *args)`` for models with fp8 GEMMs.
 
@@ -282,11 +385,24 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
   new gradient-operand scaling state into the model and returns ``(value, param_grads)``
   exactly as ``nnx.value_and_grad(fn, has_aux=has_aux)`` would. Use it inside nnx.jit (or
   split/merge under jax.jit) like the plain one; a model without fp8 GEMMs gets the plain
-  behaviour. Gradients from several calls of one fp8 layer (weight sharing, gradient
-  accumulation) would add their state cotangents: call each fp8 layer once per
-  differentiated function.
+  behaviour.
+
+  An fp8 layer may be called several times in `fn` (tied weights, a recurrence, gradient
+  accumulation over micro-batches, in Python loops or in nnx.scan / nnx.fori_loop with
+  the model as carry): each call passes its gradient-state token on to the next, and the
+  stored state is that of one use of the concatenated gradient operand (amax and scale
+  combined by max, counts summed). Two calls that start from the same state (a copy of
+  the model merged or cloned from one state) raise ValueError naming the layer, where
+  autodiff would otherwise add their gradient states.
   """
-  vg = nnx.value_and_grad(fn, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8GradState)),
+
+  def watched(model, *args, **kwargs):
+    # Inside nnx.value_and_grad `model` is the copy being differentiated: its fp8 modules
+    # are the ones whose calls are watched.
+    with _watch_grad_state(model):
+      return fn(model, *args, **kwargs)
+
+  vg = nnx.value_and_grad(watched, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8GradState)),
                           has_aux=has_aux)
 
   def wrapped(model, *args, **kwargs):

@@ -143,8 +143,23 @@ def scale_from_amax(amax: jax.Array, recipe: OperandRecipe, fallback: jax.Array)
 
 
 def history_amax(history: jax.Array, recipe: OperandRecipe) -> jax.Array:
-  """The amax a delayed recipe scales with: max of the history or its newest entry."""
-  return history[0] if recipe.amax_compute == "most_recent" else jnp.max(history)
+  """The amax a delayed recipe scales with: max of the history or its newest entry.
+
+  Non-finite entries (a step whose tensor held inf or NaN) are recorded in the history but
+  never scale: "max" takes the largest finite entry, "most_recent" a non-finite newest
+  entry, which `scale_from_amax` answers by keeping the previous scale.
+
+  Reference, Transformer Engine's delayed scaling (`delayed_scaling.cu`): a non-finite or
+  zero amax keeps the previous scale for that step, and its history max uses `fmaxf`,
+  which skips NaN but not inf, so one inf amax keeps the scale frozen until it leaves the
+  history (`amax_history_len` steps, 1024 by default). Here inf is skipped like NaN: an
+  overflow says nothing about the range of the finite values the scale is for, and the
+  loss-scale guard (or the fp8 rollback) usually discards that step anyway. So a
+  non-finite amax costs at most the one step whose own scale it would have set.
+  """
+  if recipe.amax_compute == "most_recent":
+    return history[0]
+  return jnp.max(jnp.where(jnp.isfinite(history), history, jnp.zeros_like(history)))
 
 
 def push_history(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -240,6 +255,25 @@ def record_scale(scale: jax.Array) -> jax.Array:
   """The per-tensor scale stored in state: the largest of a grid (the tensor amax's)."""
   return jnp.max(scale).astype(_F32)
 
+
+
+def combine_grad_states(own: OperandState, later: OperandState) -> OperandState:
+  """The gradient-operand state of one GEMM used several times in a differentiated step.
+
+  `own` is this use's new state; `later` the combined state of the uses after it in the
+  forward pass (the cotangent of the state token this use passed on; zeros when there is
+  none). The result is the state one use of the concatenated gradient operand would give:
+  every use pushed its amax on the same history, so the elementwise max of the histories
+  is that history with the max amax pushed (NaN propagates: a non-finite use makes the
+  combined amax non-finite, as in the concatenated tensor); the scales are the same
+  (delayed) or grow with the amax (current, per-channel, block), so their max is the
+  concatenated operand's; saturation and underflow counts add up. Zeros (no later use)
+  leave `own` unchanged: amaxes are >= 0 and scales > 0.
+  """
+  return OperandState(jnp.maximum(own.amax_history, later.amax_history),
+                      jnp.maximum(own.scale, later.scale),
+                      own.saturated + later.saturated,
+                      own.underflowed + later.underflowed)
 
 
 def keep_unused_grad_state(old: Mapping[str, jax.Array], new: Mapping[str, jax.Array],

@@ -1,7 +1,8 @@
 """Optax transformations for mixed-precision training.
 
 Master weights (`master_weights`, `remainder_master_weights`), loss scaling
-(`loss_scaling` with NoOp/Static/DynamicLossScale), non-finite skipping (`skip_nonfinite`),
+(`loss_scaling` with NoOp/Static/DynamicLossScale or any `LossScale`; `all_finite`
+and `select_tree` as in jmp), non-finite skipping (`skip_nonfinite`),
 updates straight into 16-bit params (`stochastic_updates`, `kahan_updates`, `f32_update`),
 moment dtypes (`moment_dtypes`), f32 global norm and clipping, and `build_optimizer`, which
 assembles all of it from a Recipe. Apply updates with `apply_updates` (exact rounding under
@@ -33,6 +34,7 @@ from precision.optim._kahan import kahan_updates
 from precision.optim._ledger import bytes_per_param
 from precision.optim._ledger import memory_ledger
 from precision.optim._loss_scale import DynamicLossScale
+from precision.optim._loss_scale import LossScale
 from precision.optim._loss_scale import NoOpLossScale
 from precision.optim._loss_scale import StaticLossScale
 from precision.optim._master import MasterState
@@ -41,21 +43,26 @@ from precision.optim._moments import moment_dtypes
 from precision.optim._query import loss_scale_of
 from precision.optim._query import master_params
 from precision.optim._query import optimizer_metrics
+from precision.optim._query import step_skipped
 from precision.optim._remainder import RemainderState
 from precision.optim._remainder import merge_master
 from precision.optim._remainder import remainder_master_weights
 from precision.optim._remainder import split_master
+from precision.optim._tree import all_finite
+from precision.optim._tree import select_tree
 
 __all__ = [
     "DynamicLossScale",
     "GuardState",
     "KahanState",
+    "LossScale",
     "MasterState",
     "NoOpLossScale",
     "NonFiniteStreakError",
     "RemainderState",
     "StaticLossScale",
     "StochasticState",
+    "all_finite",
     "apply_updates",
     "build_optimizer",
     "bytes_per_param",
@@ -74,7 +81,9 @@ __all__ = [
     "optimizer_metrics",
     "remainder_master_weights",
     "scaled_value_and_grad",
+    "select_tree",
     "skip_nonfinite",
     "split_master",
+    "step_skipped",
     "stochastic_updates",
 ]

@@ -26,7 +26,7 @@ class GuardState(NamedTuple):
   """State of `loss_scaling` / `skip_nonfinite`; every counter is a device scalar.
 
   inner_state: the wrapped transformation's state.
-  loss_scale: a NoOp/Static/DynamicLossScale (the scale to multiply the loss by).
+  loss_scale: a LossScale, e.g. NoOp/Static/DynamicLossScale (the scale to multiply the loss by).
   skipped_steps: int32, steps whose update was skipped.
   nonfinite_steps: int32, steps whose (unscaled) grads held an inf or NaN.
   consecutive_finite: int32, finite steps since the last non-finite one.
@@ -88,7 +88,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any,
 
   Args:
     inner: the optimizer run on the unscaled f32 grads (e.g. `master_weights(adamw)`).
-    loss_scale: NoOpLossScale(), StaticLossScale(s) or DynamicLossScale(...).
+    loss_scale: NoOpLossScale(), StaticLossScale(s), DynamicLossScale(...), or any pytree
+      implementing the `LossScale` protocol.
     axis_name: when `update` runs inside shard_map/pmap on shards of the grads, the
       all-finite check and grad norm are reduced (pmin / psum) over this axis.
 
@@ -97,10 +98,9 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any,
   Examples:
     >>> tx = loss_scaling(master_weights(optax.adamw(1e-3)), DynamicLossScale(2.0 ** 15))
   """
-  valid = (_loss_scale.NoOpLossScale, _loss_scale.StaticLossScale, _loss_scale.DynamicLossScale)
-  if not isinstance(loss_scale, valid):
+  if not isinstance(loss_scale, _loss_scale.LossScale):
     raise ValueError(f"loss_scale={loss_scale!r}; accepted: NoOpLossScale(), "
-                     "StaticLossScale(s), DynamicLossScale(...)")
+                     "StaticLossScale(s), DynamicLossScale(...) or another LossScale")
   return _guard(inner, loss_scale, axis_name, skip=True)
 
 

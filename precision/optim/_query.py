@@ -35,6 +35,27 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
   return jnp.asarray(guard.loss_scale.loss_scale, jnp.float32)
 
 
+def step_skipped(old_opt_state: Any, new_opt_state: Any) -> jax.Array:
+  """bool scalar: the optimizer guard skipped the step that took `old_opt_state` to
+  `new_opt_state` (its `skipped_steps` counter grew). False when there is no guard.
+
+  Use it to roll back state the optimizer does not own along with the skipped step, e.g.
+  `precision.fp8.rollback_fp8_state`. No host sync.
+
+  Examples:
+    >>> updates, new_opt_state = tx.update(grads, opt_state, params)
+    >>> skipped = step_skipped(opt_state, new_opt_state)
+  """
+  old = find_state(old_opt_state, _guard.GuardState)
+  new = find_state(new_opt_state, _guard.GuardState)
+  if (old is None) != (new is None):
+    raise ValueError("step_skipped: only one of the two optimizer states holds a GuardState; "
+                     "accepted: the states before and after one update of one optimizer")
+  if old is None:
+    return jnp.asarray(False)
+  return new.skipped_steps > old.skipped_steps
+
+
 def optimizer_metrics(opt_state: Any) -> dict[str, jax.Array]:
   """Device scalars: loss_scale (f32), skipped_steps, nonfinite_steps, consecutive_finite,
   consecutive_nonfinite (int32), grad_norm (f32, of the last step's unscaled grads).
