@@ -115,13 +115,18 @@ def _repeat_to(x: jax.Array, axis: int, reps: int, length: int) -> jax.Array:
   return lax.slice_in_dim(jnp.repeat(x, reps, axis=axis), 0, length, axis=axis)
 
 
-def scaled_matmul(x: sc.Quantized, y: sc.Quantized) -> jax.Array:
+def scaled_matmul(x: sc.Quantized, y: sc.Quantized, out_spec: tuple | None = None
+                  ) -> jax.Array:
   """fp8 [B, M, K] x fp8 [B, K, N] -> f32 [B, M, N], dequantized with both scale grids.
 
   Scales constant along K: one GEMM, then ``* (sx * sy)`` (the order Flax's fp8_ops uses).
   Otherwise one GEMM per contraction tile of length c, each f32 partial scaled by its
-  tiles' scales and the tiles summed in f32.
+  tiles' scales and the tiles summed in f32. `out_spec`: the result's PartitionSpec
+  entries under explicit sharding (needed when K is sharded: a weight gradient summed over
+  a sharded batch).
   """
+  shard = lambda *entries: (None if out_spec is None
+                            else jax.sharding.PartitionSpec(*entries))
   qa, sa, (tm, tka) = x
   qb, sb, (tkb, tn) = y
   b, m, k = qa.shape
@@ -130,9 +135,11 @@ def scaled_matmul(x: sc.Quantized, y: sc.Quantized) -> jax.Array:
   if not tiled:
     if b == 1:  # a plain 2-D GEMM (same kernel, hence same summation order, as Flax's)
       out = lax.dot_general(qa[0], qb[0], (((1,), (0,)), ((), ())),
-                            preferred_element_type=_F32)[None]
+                            preferred_element_type=_F32,
+                            out_sharding=shard(*(out_spec or ())[1:]))[None]
     else:
-      out = lax.dot_general(qa, qb, (((2,), (1,)), ((0,), (0,))), preferred_element_type=_F32)
+      out = lax.dot_general(qa, qb, (((2,), (1,)), ((0,), (0,))), preferred_element_type=_F32,
+                            out_sharding=shard(*(out_spec or ())))
     sx = _repeat_to(sa, 1, tm, m)  # [B'|1, M|1, 1]
     sy = _repeat_to(sb, 2, tn, n)  # [B'|1, 1, N|1]
     return out * (sx * sy)
@@ -143,7 +150,9 @@ def scaled_matmul(x: sc.Quantized, y: sc.Quantized) -> jax.Array:
   qa = jnp.pad(qa, ((0, 0), (0, 0), (0, kb * c - k))).reshape(b, m, kb, c)
   qb = jnp.pad(qb, ((0, 0), (0, kb * c - k), (0, 0))).reshape(b, kb, c, n)
   # One f32 partial sum per contraction tile: [B, Kb, M, N].
-  part = lax.dot_general(qa, qb, (((3,), (2,)), ((0, 2), (0, 1))), preferred_element_type=_F32)
+  part = lax.dot_general(qa, qb, (((3,), (2,)), ((0, 2), (0, 1))), preferred_element_type=_F32,
+                         out_sharding=shard(*(out_spec[:1] + (None,) + out_spec[1:]))
+                         if out_spec else None)
   sx = _repeat_to(_repeat_to(sa, 1, tm, m), 2, tka // c if sa.shape[2] > 1 else 1, kb)
   sy = _repeat_to(_repeat_to(sb, 2, tn, n), 1, tkb // c if sb.shape[1] > 1 else 1, kb)
   sx = jnp.transpose(sx, (0, 2, 1))[:, :, :, None]  # [B', Kb|1, M|1, 1]
@@ -218,7 +227,12 @@ def _fp8_bmm_bwd(static: _Static, res, cts):
     qa = sc.Quantized(ra, sa, sc.operand_tile(spec.lhs, ra.shape, "right"))
   else:
     qa = _quantize_current(ra, spec.lhs, "right")[0]
-  db = jnp.swapaxes(scaled_matmul(qgt, qa), 1, 2)
+  # Under explicit sharding, M (the batch rows) may be sharded: the weight gradient is
+  # laid out as the weight is.
+  b_spec = _spec(rb)
+  out_spec = None if _spec(qgt.q) is None else (
+      (None, None, None) if b_spec is None else (b_spec[0], b_spec[2], b_spec[1]))
+  db = jnp.swapaxes(scaled_matmul(qgt, qa, out_spec), 1, 2)
   own = sc.OperandState(history, sc.record_scale(qg.scale), sat, unf)
   return (da.astype(static.lhs_dtype), db.astype(static.rhs_dtype),
           jnp.zeros_like(sa), jnp.zeros_like(sb), sc.combine_grad_states(own, later))
@@ -243,6 +257,46 @@ def _axes(dims, ndim: int, what: str) -> tuple[int, ...]:
   if -1 in out:
     raise ValueError(f"fp8 dot_general: {what} dims {tuple(dims)} out of range for rank {ndim}")
   return out
+
+
+def _spec(x) -> tuple | None:
+  """The explicit-sharding PartitionSpec entries of x's type, or None when it has none."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(p is None for p in spec):
+    return None
+  return tuple(spec) + (None,) * (x.ndim - len(spec))
+
+
+def _merge(x, groups: tuple[int, ...], shape: tuple[int, ...]):
+  """x reshaped to `shape`, merging consecutive groups of `groups` axes. Under explicit
+  sharding a merged axis keeps the sharding of its leading axis (a major-axis sharding
+  survives the merge); a sharded trailing axis is replicated first."""
+  spec = _spec(x)
+  if spec is None:
+    return x.reshape(shape)
+  out, start, keep = [], 0, list(spec)
+  for size in groups:
+    members = list(range(start, start + size))
+    if any(keep[i] is not None for i in members[1:]):
+      for i in members[1:]:
+        keep[i] = None
+      x = jax.sharding.reshard(x, jax.sharding.PartitionSpec(*keep))
+    out.append(keep[members[0]] if members else None)
+    start += size
+  return jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(*out))
+
+
+def _split(x, shape, groups: tuple[int, ...]):
+  """The inverse of `_merge` for the (batch, rows, cols) result: each axis split back into
+  its group, the leading one keeping the axis's sharding."""
+  spec = _spec(x)
+  if spec is None:
+    return x.reshape(shape)
+  out = []
+  for entry, size in zip(spec, groups):
+    out += ([entry] + [None] * (size - 1)) if size else []
+  return jax.lax.reshape(x, tuple(shape), out_sharding=jax.sharding.PartitionSpec(*out))
 
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, state: Fp8DotState,
@@ -289,8 +343,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, state: Fp
   if size(rhs, rc) != k or size(rhs, rb) != bsz:
     raise ValueError(f"fp8 dot_general: shapes {lhs.shape} x {rhs.shape} do not match "
                      f"dimension_numbers {dimension_numbers}")
-  a = jnp.transpose(lhs, lb + lf + lc).reshape(bsz, m, k)
-  b = jnp.transpose(rhs, rb + rc + rf).reshape(bsz, k, n)
+  a = _merge(jnp.transpose(lhs, lb + lf + lc), (len(lb), len(lf), len(lc)), (bsz, m, k))
+  b = _merge(jnp.transpose(rhs, rb + rc + rf), (len(rb), len(rc), len(rf)), (bsz, k, n))
   out_dtype = lhs.dtype if out_dtype is None else parse_dtype(out_dtype)
   sa, hist_a = _forward_scale(a, spec.lhs, state.lhs, "left")
   sb, hist_b = _forward_scale(b, spec.rhs, state.rhs, "right")
@@ -302,4 +356,4 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, state: Fp
       lhs=sc.OperandState(hist_a, sc.record_scale(sa), sat_a, unf_a),
       rhs=sc.OperandState(hist_b, sc.record_scale(sb), sat_b, unf_b),
       grad=grad_token)
-  return out.reshape(out_shape), new_state
+  return _split(out, out_shape, (len(lb), len(lf), len(rf))), new_state
