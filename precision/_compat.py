@@ -17,6 +17,7 @@ and, by reading the wheels, jax 0.11.2 / 0.12.0.1 and flax 0.12.12.
 | flax.linen.linear._Conv                           | the base of Linen's Conv and ConvLocal      |
 | orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop | a failed checkpoint read drains |
 |                                                   | its TensorStore reads before the loop closes |
+|                                                   | (orbax-checkpoint 0.12.8, the newest in range) |
 """
 
 from __future__ import annotations

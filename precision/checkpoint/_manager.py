@@ -22,7 +22,8 @@ Saves are synchronous: `save` returns when the step is on disk.
 newest step is reported by name (a `CheckpointFallbackWarning`, and `Restored.skipped`)
 and the newest intact older step is restored instead, or `CheckpointDamagedError` says
 that none is intact. One process writes a directory at a time (`CheckpointLockedError`),
-and only the run it belongs to (`CheckpointOwnershipError`). Local POSIX filesystems only.
+and only the run it belongs to (`CheckpointOwnershipError`). Local POSIX filesystems, one
+process (all the devices of one host); a multi-process job is refused at `save`.
 """
 
 from __future__ import annotations
@@ -561,6 +562,11 @@ class Checkpointer:
     if not isinstance(state, TrainState):
       raise ValueError(f"state must be a precision.checkpoint.TrainState, got "
                        f"{type(state).__name__}")
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+          f"precision.checkpoint writes from one process; this job has "
+          f"{jax.process_count()} (checksums and the atomic rename need every array on "
+          "this host)")
     _check_json("extra", extra)
     record = self.claim(recipe=recipe, model_config=model_config, seed=seed)
     meta = {"format": FORMAT_VERSION, "step": step, "recipe": recipe.to_dict(),
