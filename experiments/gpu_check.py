@@ -1,42 +1,95 @@
 """The GPU-only measurements in one script (under 8 minutes on one H200):
 
-  python -m experiments.gpu_check            # on a GPU machine
-  python -m experiments.gpu_check --dry-run  # tiny sizes, any backend: checks the script runs
+  PYTHONPATH=. python -m experiments.gpu_check            # on a GPU machine
+  PYTHONPATH=. python -m experiments.gpu_check --dry-run  # tiny sizes, any backend
+  PYTHONPATH=. python -m experiments.gpu_check --only kernels,train   # a subset
 
-1. Pallas kernels against their XLA references on the real GPU, bit for bit: stochastic
-   rounding to bf16/f16/e4m3/e5m2 (f32 and bf16 inputs, odd sizes), fused AdamW + SR.
-2. Memory bandwidth: a device-to-device copy (the measured ceiling) and the Pallas
-   stochastic-rounding kernel as a fraction of it and of the datasheet peak.
-3. bf16 vs fp32 train-step throughput on `gpt2_124m` with TF32 OFF (fp32 GEMMs at
-   "highest" precision), and bf16 MFU (FLOPs per token = 6N + 6LCT, llm.c).
-4. fp8 vs bf16 GEMM at 4096^3 and one training step (experiments.bench_fp8).
+Runs from a checkout on the JAX the machine already has (jax 0.10.2 to 0.12.x, flax,
+optax, orbax-checkpoint), with no install and no network: ``PYTHONPATH=.`` makes the
+checkout's `precision`, `models` and `experiments` importable; nothing reads an installed
+distribution's metadata and nothing is downloaded (the training data is the running
+Python's standard library, see experiments/data.py). The first lines printed are the
+Python, JAX, jaxlib and Flax (and optax, orbax-checkpoint, NumPy) versions it runs on,
+where `precision` was imported from, the backend, and the faithful-rounding mode the
+backend is in.
 
-Prints a table last and writes gpu_check.json to --out (default $OUT or ./gpu_check_out).
+Checks (`--only`, comma-separated; default all):
+  kernels    Pallas kernels against their XLA references on the real GPU, bit for bit:
+             stochastic rounding to bf16/f16/e4m3/e5m2 (f32 and bf16 inputs, odd
+             sizes), fused AdamW + SR with and without a master copy.
+  bandwidth  a device-to-device copy (the measured ceiling) and the Pallas
+             stochastic-rounding kernel as a fraction of it and of the datasheet peak.
+  train      bf16 vs fp32 train-step throughput on `gpt2_124m` with TF32 OFF (fp32 GEMMs
+             at "highest" precision), and bf16 MFU (FLOPs per token = 6N + 6LCT, llm.c).
+  fp8        fp8 vs bf16 GEMM at 4096^3 and one training step (experiments.bench_fp8).
+
+Prints a table last and writes gpu_check.json (versions included) to --out (default $OUT
+or ./gpu_check_out).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import platform
 import sys
 import time
 
-import precision as mp
+import jax  # importing JAX starts no backend: the faithful-rounding switch still works
+import jax.numpy as jnp
+import numpy as np
 
-mp.enable_faithful_rounding()
+from experiments.timing import median_seconds
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from experiments.timing import median_seconds  # noqa: E402
+CHECKS = ("kernels", "bandwidth", "train", "fp8")
+# Versions printed first; a package missing from the machine prints "not installed".
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "numpy", "ml_dtypes")
+
+
+def versions() -> dict[str, str]:
+  """{"python": ..., package: __version__ or "not installed"} of the running interpreter."""
+  out = {"python": platform.python_version()}
+  for name in PACKAGES:
+    try:
+      out[name] = str(getattr(importlib.import_module(name), "__version__", "unknown"))
+    except ImportError:
+      out[name] = "not installed"
+  return out
+
+
+def parse_checks(text: str) -> tuple[str, ...]:
+  """"kernels,train" -> ("kernels", "train"), in CHECKS order; ArgumentTypeError else."""
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  bad = [n for n in names if n not in CHECKS]
+  if bad or not names:
+    raise argparse.ArgumentTypeError(
+        f"--only {text!r}: unknown check(s) {bad}; accepted: a comma-separated subset of "
+        f"{', '.join(CHECKS)}")
+  return tuple(c for c in CHECKS if c in names)
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--dry-run", action="store_true", help="tiny sizes on any backend")
+  ap.add_argument("--only", type=parse_checks, default=CHECKS,
+                  help=f"comma-separated checks to run (default: {','.join(CHECKS)})")
+  ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+  return ap
+
 
 # Datasheet HBM bandwidth, bytes/s.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 0.3e12}
 
 
+def _bits(a):
+  return jax.lax.bitcast_convert_type(a, jnp.uint8 if a.dtype.itemsize == 1 else jnp.uint16)
+
+
 def pallas_bit_identity(n: int) -> dict:
-  from precision.rounding import _pallas
+  import precision as mp  # pylint: disable=g-import-not-at-top
   out = {}
   for src in (jnp.float32, jnp.bfloat16):
     targets = ("bf16", "f16", "e4m3", "e5m2") if src == jnp.float32 else ("e4m3", "e5m2")
@@ -45,9 +98,8 @@ def pallas_bit_identity(n: int) -> dict:
     x = x.astype(src)
     for t in targets:
       ref = mp.rounding.stochastic_round_reference(x, t, 7, 3)
-      got = _pallas.stochastic_round_pallas(x, t, 7, 3)
-      same = np.asarray(jax.lax.bitcast_convert_type(ref, jnp.uint8 if ref.dtype.itemsize == 1 else jnp.uint16)
-                        == jax.lax.bitcast_convert_type(got, jnp.uint8 if got.dtype.itemsize == 1 else jnp.uint16))
+      got = mp.rounding.stochastic_round_pallas(x, t, 7, 3)
+      same = np.asarray(_bits(ref) == _bits(got))
       out[f"{jnp.dtype(src).name}->{t}"] = float(same.mean())
   # Fused AdamW + SR: Pallas vs its XLA reference over 5 steps, with and without a master.
   params = {"w": (jax.random.normal(jax.random.key(3), (n // 256, 256), jnp.float32) * 0.02
@@ -72,11 +124,11 @@ def pallas_bit_identity(n: int) -> dict:
 
 
 def bandwidth(n: int, repeats: int) -> dict:
-  from precision.rounding import _pallas
+  import precision as mp  # pylint: disable=g-import-not-at-top
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
   copy = jax.jit(lambda x: x * 1.0 + 0.0)
   t_copy = median_seconds(copy, x, repeats=repeats)
-  sr = jax.jit(lambda x: _pallas.stochastic_round_pallas(x, jnp.bfloat16, 0, 1))
+  sr = jax.jit(lambda x: mp.rounding.stochastic_round_pallas(x, jnp.bfloat16, 0, 1))
   t_sr = median_seconds(sr, x, repeats=repeats)
   kind = jax.devices()[0].device_kind
   peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None)
@@ -87,7 +139,7 @@ def bandwidth(n: int, repeats: int) -> dict:
 
 
 def train_throughput(model: str, batch: int, seq: int, repeats: int) -> dict:
-  from experiments import bench
+  from experiments import bench  # pylint: disable=g-import-not-at-top
   # TF32 off: fp32 GEMMs at full precision, so "fp32" means fp32 (llm.c's -f 0).
   with jax.default_matmul_precision("highest"):
     res = bench.recipe_figures(model, batch, seq, ("fp32", "bf16_mixed", "bf16_master"), repeats)
@@ -99,43 +151,61 @@ def train_throughput(model: str, batch: int, seq: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--dry-run", action="store_true", help="tiny sizes on any backend")
-  ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-  args = ap.parse_args(argv)
-  dry = args.dry_run
-  if not dry and jax.default_backend() != "gpu":
-    print(f"gpu_check needs a GPU; this backend is {jax.default_backend()}. "
+  args = parser().parse_args(argv)
+  dry, checks = args.dry_run, args.only
+  info = versions()
+  print("gpu_check on " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+  import precision as mp  # pylint: disable=g-import-not-at-top
+  # Before the first computation (XLA reads its flags once); raises if a backend already
+  # started without it.
+  mp.enable_faithful_rounding()
+  info["precision_from"] = os.path.dirname(os.path.abspath(mp.__file__))
+  info["backend"] = jax.default_backend()
+  info["device_kind"] = jax.devices()[0].device_kind
+  info["faithful_rounding"] = mp.faithful_rounding_enabled()  # what the backend does
+  print(f"precision from {info['precision_from']}; backend {info['backend']} "
+        f"({info['device_kind']}); faithful rounding "
+        f"{'on' if info['faithful_rounding'] else 'OFF'}", flush=True)
+  if not dry and info["backend"] != "gpu":
+    print(f"gpu_check needs a GPU; this backend is {info['backend']}. "
           "Use --dry-run to check the script on CPU.")
     return 2
-  res = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "dry_run": dry}
+  res = {**info, "dry_run": dry, "checks": list(checks)}
   t0 = time.perf_counter()
-  res["pallas_bit_identity"] = pallas_bit_identity(4096 if dry else 1 << 22)
-  res["bandwidth"] = bandwidth(1 << 14 if dry else 1 << 28, 2 if dry else 20)
-  res["train"] = (train_throughput("tiny", 2, 32, 1) if dry else
-                  train_throughput("gpt2_124m", 8, 1024, 10))
-  from experiments import bench_fp8
-  res["fp8"] = bench_fp8.run(quick=dry)
+  if "kernels" in checks:
+    res["pallas_bit_identity"] = pallas_bit_identity(4096 if dry else 1 << 22)
+  if "bandwidth" in checks:
+    res["bandwidth"] = bandwidth(1 << 14 if dry else 1 << 28, 2 if dry else 20)
+  if "train" in checks:
+    res["train"] = (train_throughput("tiny", 2, 32, 1) if dry else
+                    train_throughput("gpt2_124m", 8, 1024, 10))
+  if "fp8" in checks:
+    from experiments import bench_fp8  # pylint: disable=g-import-not-at-top
+    res["fp8"] = bench_fp8.run(quick=dry)
   res["seconds"] = time.perf_counter() - t0
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
     json.dump(res, f, indent=1, default=str)
-  b, tr = res["bandwidth"], res["train"]
   fmt = lambda v, s: "-" if v is None else format(v, s)
   print("\n| check | figure |\n|---|---|")
-  for k, v in res["pallas_bit_identity"].items():
+  print(f"| versions | jax {info['jax']}, jaxlib {info['jaxlib']}, flax {info['flax']} |")
+  for k, v in res.get("pallas_bit_identity", {}).items():
     if isinstance(v, float):
       print(f"| Pallas vs XLA reference, fraction of equal bits: {k} | {v:.6f} |")
-  print(f"| copy bandwidth | {b['copy_bytes_per_s'] / 1e12:.2f} TB/s |")
-  print(f"| Pallas SR bandwidth vs copy / vs peak | {b['pallas_sr_vs_copy']:.1%} / "
-        f"{fmt(b['pallas_sr_vs_peak'], '.1%')} |")
-  for k, v in tr["tokens_per_s"].items():
-    print(f"| {tr['model']} {k} tokens/s (MFU) | {v:,.0f} ({fmt(tr['mfu'][k], '.1%')}) |")
-  print(f"| bf16 / fp32 (TF32 off) throughput | {tr['bf16_over_fp32']:.2f}x |")
-  print(f"| fp8 / bf16 GEMM {res['fp8']['gemm_n']}^3 | " + ", ".join(
-      f"{k} {v:.2f}x" for k, v in res["fp8"]["gemm_fp8_over_bf16"].items()) + " |")
-  print(f"| fp8 / bf16 train step | {res['fp8']['step_fp8_over_bf16']:.2f}x |")
+  if "bandwidth" in res:
+    b = res["bandwidth"]
+    print(f"| copy bandwidth | {b['copy_bytes_per_s'] / 1e12:.2f} TB/s |")
+    print(f"| Pallas SR bandwidth vs copy / vs peak | {b['pallas_sr_vs_copy']:.1%} / "
+          f"{fmt(b['pallas_sr_vs_peak'], '.1%')} |")
+  if "train" in res:
+    tr = res["train"]
+    for k, v in tr["tokens_per_s"].items():
+      print(f"| {tr['model']} {k} tokens/s (MFU) | {v:,.0f} ({fmt(tr['mfu'][k], '.1%')}) |")
+    print(f"| bf16 / fp32 (TF32 off) throughput | {tr['bf16_over_fp32']:.2f}x |")
+  if "fp8" in res:
+    print(f"| fp8 / bf16 GEMM {res['fp8']['gemm_n']}^3 | " + ", ".join(
+        f"{k} {v:.2f}x" for k, v in res["fp8"]["gemm_fp8_over_bf16"].items()) + " |")
+    print(f"| fp8 / bf16 train step | {res['fp8']['step_fp8_over_bf16']:.2f}x |")
   print(f"| total seconds | {res['seconds']:.0f} |")
   return 0
 

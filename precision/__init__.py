@@ -1,10 +1,12 @@
 """precision: numeric-precision recipes for training with JAX, Flax and Optax.
 
-Public surface (see ARCHITECTURE.md): Policy and get_policy (jmp's grammar), Recipe and
-get_recipe, float-format facts (`precision.formats`), the faithful-rounding switch,
-stochastic rounding, and the subpackages flax, audit, optim, fp8, parallel, checkpoint.
+Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `autocast`
+(a policy or recipe applied to any JAX function), float-format facts
+(`precision.formats`), the faithful-rounding switch, stochastic rounding, and the
+subpackages flax, audit, optim, fp8, parallel, checkpoint.
 """
 
+from precision import _autocast
 from precision import checkpoint
 from precision import flax
 from precision import formats
@@ -13,6 +15,7 @@ from precision import optim
 from precision import ops
 from precision import parallel
 from precision import rounding
+from precision._autocast import autocast
 from precision.audit import PrecisionReport
 from precision.audit import PrecisionViolation
 from precision.audit import audit
@@ -37,6 +40,7 @@ from precision.optim import StaticLossScale
 __version__ = "0.1.0"
 
 __all__ = [
+    "autocast",
     "DynamicLossScale",
     "NoOpLossScale",
     "StaticLossScale",

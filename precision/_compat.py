@@ -18,6 +18,10 @@ and, by reading the wheels, jax 0.11.2 / 0.12.0.1 and flax 0.12.12.
 | orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop | a failed checkpoint read drains |
 |                                                   | its TensorStore reads before the loop closes |
 |                                                   | (orbax-checkpoint 0.12.8, the newest in range) |
+
+Jaxpr equations are public types (jax.extend.core), but three of their protocols changed
+across releases and are bridged here: how an equation is bound again (`bind_eqn`), its
+context manager (`eqn_context`) and a custom_jvp call's rule (`custom_jvp_rule`).
 """
 
 from __future__ import annotations
@@ -139,3 +143,37 @@ def orbax_drained_event_loops():
     yield
   finally:
     module._run_sync_via_new_loop = original  # pylint: disable=protected-access
+def bind_eqn(eqn, invals):
+  """Binds a jaxpr equation's primitive again on `invals` with its own params (as
+  `jax.core.eval_jaxpr` does; higher-order primitives get their sub-functions back)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(params, tuple):  # older JAX: (subfuns, params)
+    subfuns, params = params
+    return eqn.primitive.bind(*subfuns, *invals, **params)
+  return eqn.primitive.bind(*invals, **params)
+
+
+def eqn_context(eqn):
+  """The context (compute type, xla metadata, ...) the equation was traced under."""
+  ctx = getattr(eqn, "ctx", None)
+  manager = getattr(ctx, "manager", None)
+  return manager if manager is not None else contextlib.nullcontext()
+
+
+def custom_jvp_rule(params: dict, symbolic_zeros: list[bool]):
+  """(jaxpr, consts, ...) of a custom_jvp_call equation's JVP rule for the given tangent
+  zero pattern; the jaxpr takes (primals..., nonzero tangents...)."""
+  fun = params.get("jvp_jaxpr_fun", params.get("jvp_jaxpr_thunk"))
+  if fun is None:
+    raise MissingPrivateName("custom_jvp_call has neither jvp_jaxpr_fun nor jvp_jaxpr_thunk")
+  call = getattr(fun, "call_wrapped", fun)
+  return call(*symbolic_zeros)
+
+
+def without_leading_scope(name_stack, name: str):
+  """`name_stack` without its first entry when that entry is the scope `name` (a Linen
+  root module seen twice: once by the enclosing call, once by the traced re-entry)."""
+  stack = getattr(name_stack, "stack", ())
+  if stack and getattr(stack[0], "name", None) == name:
+    return type(name_stack)(tuple(stack[1:]))
+  return name_stack

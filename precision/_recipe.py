@@ -44,13 +44,14 @@ _INT32_MAX = 2 ** 31 - 1
 SCHEMA_VERSION = 1
 
 # Ops kept in f32 whatever the compute dtype: PyTorch autocast's fp32 list (softmax,
-# log_softmax, norms, losses, exp/log/pow, sums) and what LLM training recipes keep in f32
-# (RMSNorm and QK-norm statistics, softmax, RoPE tables, cross entropy, grad norm and the
-# optimizer update).
+# log_softmax, norms, losses, exp/log/pow, sums) and the precision map of mixed-precision
+# LLM training (RMSNorm and QK-norm statistics, softmax, RoPE tables, cross entropy,
+# exp/log/tanh/logistic of activations and soft-caps, grad norm and the optimizer update).
+# precision._fp32_ops maps each name to the JAX primitives precision.autocast keeps in f32.
 DEFAULT_FP32_OPS = (
     "softmax", "attention_probs", "log_softmax", "logsumexp", "cross_entropy", "rms_norm",
-    "layer_norm",
-    "group_norm", "batch_norm", "rotary_embedding", "grad_norm", "optimizer_update",
+    "layer_norm", "group_norm", "batch_norm", "rotary_embedding", "transcendentals",
+    "grad_norm", "optimizer_update",
 )
 
 
@@ -389,7 +390,11 @@ class Recipe:
       _set(self, "fp8", _config_from_kwargs(Fp8Config, self.fp8, "fp8"))
     if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
       raise _bad("fp8", self.fp8, "None, an Fp8Config or its dict")
-    _set(self, "fp32_ops", _check_names("fp32_ops", self.fp32_ops, "op names"))
+    # The list's shape here (a list of distinct non-empty strings, never a bare string);
+    # which names exist, in precision._fp32_ops (each name maps to JAX primitives).
+    from precision._fp32_ops import check_names  # pylint: disable=g-import-not-at-top
+    _set(self, "fp32_ops", check_names(_check_names("fp32_ops", self.fp32_ops, "op names"),
+                                       "fp32_ops"))
     _set(self, "allow_f16_without_loss_scale", _check_bool(
         "allow_f16_without_loss_scale", self.allow_f16_without_loss_scale))
     _check_choice("rounding", self.rounding, ROUNDINGS)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precision.flax._gemm import policy_dot_general, policy_einsum
+from precision._gemm import policy_dot_general, policy_einsum
 
 _F32 = jnp.float32
 

@@ -1,4 +1,5 @@
-"""precision.flax.apply_policy on NNX models: the issue-3 gates for NNX."""
+"""precision.flax.apply_policy on NNX models (run under precision.autocast): dtypes, the
+audit of every GEMM, overrides, the compiled program against hand-written Flax."""
 
 import jax
 import jax.numpy as jnp
@@ -66,11 +67,17 @@ def bf16_lm():
 def test_bf16_layers_and_dtypes(bf16_lm, tokens):
   assert bf16_lm(tokens).dtype == F32  # output_dtype
   assert bf16_lm.blocks[0].qkv.kernel.get_value().dtype == F32  # param_dtype
-  assert isinstance(bf16_lm.blocks[0].qkv.dot_general, mp.flax.PolicyDotGeneral)
-  h = bf16_lm.embed(tokens)
-  assert h.dtype == BF16
-  assert bf16_lm.blocks[0].norm1(h).dtype == BF16
-  assert bf16_lm.blocks[0].qkv(h).dtype == BF16
+  # Nothing replaced: the classes and layer attributes are the user's own.
+  assert type(bf16_lm) is M.AttentionLM and type(bf16_lm.blocks[0].qkv) is nnx.Linear
+  assert bf16_lm.blocks[0].qkv.dot_general is jax.lax.dot_general
+  assert mp.flax.policy_of(bf16_lm).policy == mp.get_policy(MIXED)
+  # Only the marked instance runs under the policy: a submodule called on its own, or
+  # another instance of the class, is plain Flax.
+  assert bf16_lm.blocks[0].qkv(jnp.ones((1, 32), F32)).dtype == F32
+  other = M.AttentionLM(rngs=nnx.Rngs(0))
+  assert mp.flax.policy_of(other) is None
+  assert np.array_equal(np.asarray(other(tokens)),
+                        np.asarray(M.AttentionLM(rngs=nnx.Rngs(0))(tokens)))
   pure = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
   assert {v.dtype for v in jax.tree.leaves(nnx.to_pure_dict(nnx.state(pure, nnx.Param)))} == {
       np.dtype(BF16)}

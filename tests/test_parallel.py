@@ -487,13 +487,20 @@ def test_fp8_state_synchronised_in_every_stage(mesh):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   recipe, model, params, fp8_state, loss, batch = _fp8_setup()
-  # Reference: one device, the global batch, precision.fp8.value_and_grad.
-  # (data_parallel hands loss_fn the params in the compute dtype: so does the reference.)
-  ref = nnx.clone(model)
-  nnx.update(ref, recipe.policy.cast_to_compute(nnx.state(ref, nnx.Param)))
-  mp.fp8.value_and_grad(lambda m: loss(nnx.state(m, nnx.Param), nnx.state(m, mp.fp8.Fp8State),
-                                       batch)[0])(ref)
-  ref_state = nnx.state(ref, mp.fp8.Fp8State)
+  # Reference: one device, the global batch, precision.fp8.value_and_grad (data_parallel
+  # hands loss_fn the params in their param dtype, f32 here: so does the reference).
+  # Stage 3 moves params in the compute dtype: its reference runs on the bf16-rounded
+  # params (handed to loss_fn in f32, as stage 3 does).
+  def reference(round_params):
+    ref = nnx.clone(model)
+    if round_params:
+      p = nnx.state(ref, nnx.Param)
+      nnx.update(ref, jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), p))
+    mp.fp8.value_and_grad(lambda m: loss(nnx.state(m, nnx.Param),
+                                         nnx.state(m, mp.fp8.Fp8State), batch)[0])(ref)
+    return nnx.state(ref, mp.fp8.Fp8State)
+
+  refs = {False: reference(False), True: reference(True)}
   states = {}
   for stage in STAGES:
     dp = parallel.data_parallel(loss, optax.adamw(LR), mesh, zero_stage=stage, recipe=recipe,
@@ -510,6 +517,7 @@ def test_fp8_state_synchronised_in_every_stage(mesh):
     for layer in (0, 1):
       # Forward operands: the synchronised amax is the global batch's (the max over the
       # ranks' slices), exactly what one device computes on the whole batch.
+      ref_state = refs[stage == 3]
       for op in ("lhs", "rhs"):
         np.testing.assert_array_equal(_amax(states[stage], layer, op), _amax(ref_state, layer, op))
       # Gradient operand: each rank differentiates the mean over ITS 4 rows, so its output

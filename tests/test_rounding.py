@@ -289,3 +289,64 @@ def test_swamping_with_stochastic_rounding():
   assert (w_near == 1.0).all()
   assert w_sr.max() < 4.0
   assert abs(w_sr.mean() - 2.0) < 4 / 64, w_sr.mean()
+
+
+# --- key / step / index_offset: uint32 counters, validated ---------------------------------
+
+_X8 = jnp.linspace(0.1, 3.0, 8, dtype=jnp.float32)  # between bf16 neighbours: bits matter
+
+
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+def test_counters_accept_the_uint32_range(impl):
+  sr = functools.partial(stochastic_round, _X8, "bf16", impl=impl)
+  top = 2 ** 32 - 1
+  # Python ints up to 2**32 - 1 (2**31 used to raise OverflowError), equal to the uint32
+  # array of the same value; signed and unsigned integer arrays alike.
+  for step in (2 ** 31, top):
+    np.testing.assert_array_equal(_bits(sr(key=3, step=step)),
+                                  _bits(sr(key=3, step=jnp.uint32(step))))
+  np.testing.assert_array_equal(_bits(sr(key=top, step=0)),
+                                _bits(sr(key=jnp.uint32(top), step=0)))
+  np.testing.assert_array_equal(_bits(sr(key=jnp.int32(5), step=np.int64(9))),
+                                _bits(sr(key=5, step=9)))
+  np.testing.assert_array_equal(_bits(sr(key=np.uint8(5), step=np.array(9, np.int16))),
+                                _bits(sr(key=5, step=9)))
+  # Distinct counters give distinct bits (so the equalities above are not vacuous).
+  assert (_bits(sr(key=3, step=2 ** 31)) != _bits(sr(key=3, step=0))).any()
+  assert (_bits(sr(key=top, step=0)) != _bits(sr(key=0, step=0))).any()
+  # Traced values cannot be checked: they are taken mod 2**32, as documented.
+  traced = jax.jit(lambda k, s: sr(key=k, step=s))(jnp.int32(-1), jnp.int32(-2))
+  np.testing.assert_array_equal(_bits(traced), _bits(sr(key=top, step=top - 1)))
+  # jax.random keys, typed and raw, still work.
+  k = jax.random.key(4)
+  np.testing.assert_array_equal(_bits(sr(key=k)), _bits(sr(key=jax.random.key_data(k))))
+
+
+@pytest.mark.parametrize("impl", ("xla", "pallas", "auto"))
+@pytest.mark.parametrize("arg,value,why", [
+    ("key", 2 ** 32, "outside the uint32 range"),
+    ("key", 2 ** 40, "outside the uint32 range"),
+    ("key", -1, "outside the uint32 range"),
+    ("key", "abc", "str"),
+    ("key", None, "NoneType"),
+    ("key", 1.0, "float"),
+    ("key", True, "True"),
+    ("key", np.array(-1, np.int32), "outside the uint32 range"),
+    ("key", np.zeros((3,), np.uint32), "shape (3,)"),
+    ("key", jnp.float32(2.0), "dtype float32"),
+    ("step", float("nan"), "nan"),
+    ("step", 2 ** 32, "outside the uint32 range"),
+    ("step", -1, "outside the uint32 range"),
+    ("step", 1.5, "float"),
+    ("step", np.float32(3.0), "float32"),
+    ("step", np.bool_(True), "True"),
+    ("step", "3", "str"),
+    ("step", jnp.zeros((2,), jnp.uint32), "shape (2,)"),
+    ("index_offset", jnp.int32(-5), "outside the uint32 range"),
+])
+def test_counters_reject_what_is_not_uint32(impl, arg, value, why):
+  kwargs = {"key": 0, "step": 0, "index_offset": 0, arg: value}
+  with pytest.raises(ValueError, match=arg) as e:
+    stochastic_round(_X8, "bf16", kwargs["key"], kwargs["step"], impl=impl,
+                     index_offset=kwargs["index_offset"])
+  assert why in str(e.value) and "2**32" in str(e.value), str(e.value)

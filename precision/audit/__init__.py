@@ -4,10 +4,22 @@ Examples:
   >>> report = precision.audit(jax.value_and_grad(loss_fn), params, batch)
   >>> print(report)                       # GEMM table + one-screen precision map
   >>> report.check("p=f32,c=bf16,o=f32")  # raises PrecisionViolation listing offenders
+
+The same GEMMs as a platform receives them, from the program lowered for it (StableHLO;
+a GPU program can be lowered on a CPU-only machine):
+  >>> from precision.audit import lower
+  >>> lower(train_step, params, batch, platform="cuda").check("bf16_mixed")
 """
 
 from __future__ import annotations
 
+from precision.audit._lowering import LoweredCustomCall
+from precision.audit._lowering import LoweredGemm
+from precision.audit._lowering import LoweredProgram
+from precision.audit._lowering import custom_call_targets
+from precision.audit._lowering import custom_calls
+from precision.audit._lowering import lower
+from precision.audit._lowering import lowered_gemms
 from precision.audit._report import PrecisionReport
 from precision.audit._report import PrecisionViolation
 from precision.audit._walk import ConvertRecord
@@ -34,8 +46,15 @@ def audit(fn, *args, **kwargs) -> PrecisionReport:
 __all__ = [
     "ConvertRecord",
     "GemmRecord",
+    "LoweredCustomCall",
+    "LoweredGemm",
+    "LoweredProgram",
     "OpRecord",
     "PrecisionReport",
     "PrecisionViolation",
     "audit",
+    "custom_call_targets",
+    "custom_calls",
+    "lower",
+    "lowered_gemms",
 ]

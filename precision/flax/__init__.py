@@ -1,36 +1,32 @@
-"""Applying a precision Policy to Flax models (NNX in place, Linen as a context).
+"""Applying a precision Policy or Recipe to Flax models (NNX in place, Linen as a context).
 
-Public names: apply_policy (NNX), apply_recipe (NNX, Policy then fp8), linen_policy (Linen),
-PolicyDotGeneral / PolicyConv (the GEMM callables installed on layers), policy_dot_general,
-policy_conv_general_dilated, policy_einsum (the functional GEMMs), PolicyEinsum and
-PolicyEmbed (the NNX layer classes Einsum and Embed are switched to), GEMM_LAYERS,
-NORM_LAYERS.
+Both run the model's calls under `precision.autocast`, which governs every GEMM and every
+f32 op of the model's code, Flax layers or not; nothing in the model is replaced.
+
+Public names: apply_policy (NNX), apply_recipe (NNX: policy, then fp8 layers), policy_of,
+linen_policy (Linen), PolicyDotGeneral / PolicyConv (policy GEMM callables for a layer's
+`dot_general` / `conv_general_dilated` attribute, for code that wants one layer by hand),
+policy_dot_general, policy_conv_general_dilated, policy_einsum (the functional GEMMs).
 """
 
-from precision.flax._gemm import PolicyConv
-from precision.flax._gemm import PolicyDotGeneral
-from precision.flax._gemm import policy_conv_general_dilated
-from precision.flax._gemm import policy_dot_general
-from precision.flax._gemm import policy_einsum
+from precision._gemm import PolicyConv
+from precision._gemm import PolicyDotGeneral
+from precision._gemm import policy_conv_general_dilated
+from precision._gemm import policy_dot_general
+from precision._gemm import policy_einsum
 from precision.flax._linen import linen_policy
-from precision.flax._nnx import GEMM_LAYERS
-from precision.flax._nnx import NORM_LAYERS
-from precision.flax._nnx import PolicyEinsum
-from precision.flax._nnx import PolicyEmbed
 from precision.flax._nnx import apply_policy
+from precision.flax._nnx import policy_of
 from precision.flax._recipe import apply_recipe
 
 __all__ = [
-    "GEMM_LAYERS",
-    "NORM_LAYERS",
     "PolicyConv",
     "PolicyDotGeneral",
-    "PolicyEinsum",
-    "PolicyEmbed",
     "apply_policy",
     "apply_recipe",
     "linen_policy",
     "policy_conv_general_dilated",
     "policy_dot_general",
     "policy_einsum",
+    "policy_of",
 ]

@@ -1,64 +1,36 @@
 """linen_policy: the same Policy for Flax Linen models, as a context manager.
 
-Built on `flax.linen.intercept_methods`. While the context is active, every Linen module
-call is intercepted and the layer runs under the policy that applies to its path:
+Inside the context every `init` / `apply` of a Linen model runs its root method under
+`precision.autocast`, lifted over the module's variables the way Flax lifts `nn.remat`
+(`flax.core.lift.pack`): the call is traced with its variables and RNG streams as inputs and
+evaluated op by op under the policy, so every GEMM of the model - Dense, Conv, Einsum,
+attention written in the module, Flax's MultiHeadDotProductAttention - runs compute x
+compute -> f32 forward and backward, the fp32 ops (softmax, BatchNorm/LayerNorm statistics,
+exp/log/tanh, ...) run in f32, mutable collections (batch_stats) update as in a plain call
+and keep their dtypes, and the root returns `output_dtype`.
 
-| layer                          | params (created at init) | GEMM                                  | returns       |
-|--------------------------------|--------------------------|---------------------------------------|---------------|
-| Dense, DenseGeneral            | param_dtype              | policy dot_general, fwd + bwd         | compute_dtype |
-| Conv, ConvLocal                | param_dtype              | policy conv, fwd + bwd                | compute_dtype |
-| Einsum                         | param_dtype              | compute operands, f32 acc (fwd only)* | compute_dtype |
-| Embed / Embed.attend           | param_dtype              | lookup in param dtype / policy GEMM   | compute_dtype |
-| LayerNorm, RMSNorm, GroupNorm, | param_dtype              | statistics in f32                     | compute_dtype |
-|   BatchNorm, InstanceNorm      |                          |                                       |               |
-| the root module                |                          |                                       | output_dtype  |
+`init` creates every param with the initializer's own dtype (f32 unless the module says
+otherwise) and then rounds it to the policy's `param_dtype` for its path: a bf16 init equals
+the f32 init of the same seed rounded to bf16. Module fields are never modified.
 
-* Linen's Einsum calls jnp.einsum directly, with no dot_general hook: its backward GEMMs
-  follow JAX's transpose rule (an f32 cotangent times a compute-dtype operand), which
-  `precision.audit` reports.
-
-Linen modules are frozen dataclasses; the interceptor sets the layer's dtype fields on the
-bound instance for the duration of the one call and restores them afterwards (the bound
-instance is private to this apply/init). Linen already names each module in JAX's name
-stack ("Model/lm_head"), so `precision.audit` attributes GEMMs to Linen paths as well.
+Linen names each module in JAX's name stack ("Model/block_0/Dense_0"); override patterns
+are matched against the path below the root ("block_0/Dense_0").
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Any, Iterator, Mapping
 
 import flax.linen as nn
 import jax
-import numpy as np
+from flax.core import lift
 
-from precision import _compat
 from precision._policy import Policy, cast_floating, get_policy
-from precision.flax import _overrides
-from precision.flax._gemm import PolicyConv, PolicyDotGeneral
-from precision.flax._nnx import promote_keep_kernel
-
-_F32 = np.dtype(np.float32)
-_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm, nn.InstanceNorm)
-_LAYERS = (nn.Dense, nn.DenseGeneral, _compat.linen_conv_base(), nn.Einsum, nn.Embed) + _NORMS
-
-
-def _promote_keep_kernel_linen(*args, dtype=None, inexact=True):
-  # Linen's promote_dtype is variadic: (inputs, kernel, bias).
-  return list(promote_keep_kernel(tuple(args), dtype=dtype, inexact=inexact))
-
-
-@contextlib.contextmanager
-def _fields(module: nn.Module, **values) -> Iterator[None]:
-  """Temporarily sets dataclass fields of a bound (frozen) Linen module."""
-  old = {k: getattr(module, k) for k in values}
-  for k, v in values.items():
-    object.__setattr__(module, k, v)
-  try:
-    yield
-  finally:
-    for k, v in old.items():
-      object.__setattr__(module, k, v)
+from precision._autocast import _api
+from precision._autocast import _overrides
 
 
 def _module_path(module: nn.Module) -> tuple:
@@ -68,16 +40,74 @@ def _module_path(module: nn.Module) -> tuple:
     return ()
 
 
+def _cast_params(variables: Any, spec: _api.AutocastSpec, matched: set) -> Any:
+  """Each leaf of a "params" collection in `variables` (any nesting of Flax's variable
+  groups) rounded to the param dtype of its module path's policy."""
+
+  def cast(path, leaf):
+    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    if "params" not in names:
+      return leaf
+    names = names[names.index("params") + 1:-1]
+    rule = _overrides.match_scope(spec.rules, "/".join(names), {})
+    if rule is not None:
+      matched.add(rule.key)
+    pol = spec.policy if rule is None else rule.policy
+    return cast_floating(leaf, pol.param_dtype)
+
+  return jax.tree_util.tree_map_with_path(cast, variables)
+
+
+def _autocast_transform(spec: _api.AutocastSpec, matched: set, seen: set):
+  """A lifted transform (fn(scope, *args) -> fn under autocast), as lift.checkpoint."""
+
+  def transform(fn, scope, *args, **kwargs):
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+      def pure(variable_groups, rng_groups, *args, **kwargs):
+        inner_scope = scope_fn(variable_groups, rng_groups)
+        y = fn(inner_scope, *args, **kwargs)
+        return y, repack_fn(inner_scope)
+
+      traced = _api.run(spec, pure, (variable_groups, rng_groups, *args), kwargs,
+                        check_overrides=False, root_scope=_TRACE.root_name,
+                        module_at=_TRACE.module_at)
+      matched.update(traced.env.matched)
+      seen.update(traced.env.seen_scopes)
+      y, _ = traced.outputs
+      # Variables written back keep the dtypes the traced program gave them (batch
+      # statistics stay f32); then new params are rounded to their param dtype.
+      _, repacked = traced.outputs_in_traced_dtypes()
+      repacked = _cast_params(repacked, spec, matched)
+      return cast_floating(y, spec.policy.output_dtype), repacked
+
+    return lift.pack(inner, (True,), (True,), (True,), name="autocast")(scope, *args,
+                                                                          **kwargs)
+
+  return transform
+
+
+class _Trace(threading.local):
+  """The root module's name and the modules called (by path) in the trace in progress."""
+
+  def __init__(self):
+    self.root_name = ""
+    self.module_at: dict[str, nn.Module] = {}
+
+
+_TRACE = _Trace()
+
+
 @contextlib.contextmanager
 def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | None = None,
-                 *, f32_norms: bool = True) -> Iterator[Policy]:
+                 *, fp32_ops=None) -> Iterator[Policy]:
   """Runs Linen `init`/`apply` calls inside the context under a precision Policy.
 
-  `init` creates the standard layers' params in `param_dtype`; GEMM layers compute in
-  `compute_dtype` with f32 accumulation (backward included), norms compute statistics in
-  f32, and the root module returns `output_dtype`. `overrides` as in `apply_policy`
-  ({path pattern or module type: policy}, fnmatch on "/"-joined Linen module paths, first
-  match wins, submodules inherit).
+  Args:
+    policy: a Policy or a policy string ("p=f32,c=bf16,o=f32").
+    overrides: {path pattern or module type: policy}; patterns are fnmatch'ed against the
+      "/"-joined path below the root ("block_0/Dense_0", "*head*"); the deepest matching
+      module decides. Type keys match Linen module classes.
+    fp32_ops: op names kept in f32 (default precision.DEFAULT_FP32_OPS).
 
   Raises:
     ValueError: for a bad policy or override on entry; on a clean exit, for an override
@@ -85,79 +115,29 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
 
   Examples:
     >>> with linen_policy("p=f32,c=bf16,o=f32"):
-    ...   params = model.init(key, x)
-    ...   logits = model.apply(params, x)
+    ...   variables = model.init(key, x)
+    ...   logits = model.apply(variables, x)
   """
-  base = get_policy(policy)
-  rules = _overrides.parse_overrides(overrides, nn.Module)
+  spec = _api.AutocastSpec.make(get_policy(policy), overrides, fp32_ops,
+                                module_base=nn.Module)
   matched: set = set()
-  seen_paths: list[str] = []
-
-  def policy_of(module: nn.Module) -> Policy:
-    node = module
-    while isinstance(node, nn.Module):
-      rule = _overrides.match(rules, _overrides.path_str(_module_path(node)), node)
-      if rule is not None:
-        matched.add(rule.key)
-        return rule.policy
-      node = node.parent
-    return base
+  seen: set = set()
+  transform = _autocast_transform(spec, matched, seen)
 
   def interceptor(next_fun, args, kwargs, context):
-    module, method = context.module, context.method_name
-    if method == "setup" and isinstance(module, _LAYERS):
-      # setup-style layers (Embed) create their params here.
-      with _fields(module, param_dtype=policy_of(module).param_dtype):
-        return next_fun(*args, **kwargs)
-    if method not in ("__call__", "attend"):
-      return next_fun(*args, **kwargs)
+    module = context.module
     path = _module_path(module)
-    scope = _overrides.path_str(path)
-    if scope and scope not in seen_paths:
-      seen_paths.append(scope)
-    pol = policy_of(module)
-    c, p = pol.compute_dtype, pol.param_dtype
-    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
-      with _fields(module, dtype=c, param_dtype=p, dot_general=PolicyDotGeneral(c),
-                   dot_general_cls=None, promote_dtype=_promote_keep_kernel_linen):
-        out = next_fun(*args, **kwargs)
-    elif isinstance(module, _compat.linen_conv_base()):
-      with _fields(module, dtype=c, param_dtype=p, conv_general_dilated=PolicyConv(c),
-                   conv_general_dilated_cls=None, promote_dtype=_promote_keep_kernel_linen):
-        out = next_fun(*args, **kwargs)
-    elif isinstance(module, nn.Einsum):
-      with _fields(module, dtype=c, param_dtype=p, preferred_element_type=_F32):
-        out = next_fun(*args, **kwargs).astype(c)
-    elif isinstance(module, nn.Embed):
-      if method == "attend":
-        (query,) = args
-        table = module.embedding
-        return PolicyDotGeneral(c)(query, table.T,
-                                          (((query.ndim - 1,), (0,)), ((), ())))
-      # Lookup in the param dtype, then cast: the gradient scatter-add stays in param dtype.
-      with _fields(module, dtype=p, param_dtype=p):
-        out = next_fun(*args, **kwargs).astype(c)
-    elif isinstance(module, _NORMS):
-      if f32_norms and args:
-        x = args[0]
-        args = (x.astype(_F32),) + tuple(args[1:])  # f32 statistics and normalisation
-      # dtype=f32: statistics, rsqrt, scale and shift in f32 (flax's dtype=bf16 path mixes
-      # bf16 inputs with f32 statistics); the result is rounded once to the compute dtype.
-      with _fields(module, dtype=_F32 if f32_norms else c, param_dtype=p):
-        if p == _F32:
-          out = next_fun(*args, **kwargs)
-        else:
-          # Linen's _normalize multiplies the f32 statistics by a param-dtype scale without
-          # a cast, which strict promotion rejects; standard promotion keeps it in f32.
-          with jax.numpy_dtype_promotion("standard"):
-            out = next_fun(*args, **kwargs)
-      out = out.astype(c)
-    else:
-      out = next_fun(*args, **kwargs)
-    if not path and method == "__call__":
-      out = cast_floating(out, pol.output_dtype)
-    return out
+    if _api.tracing() or path or context.method_name == "setup":
+      if _api.tracing() and path:
+        _TRACE.module_at.setdefault("/".join(str(p) for p in path), module)
+      return next_fun(*args, **kwargs)
+    _TRACE.root_name, _TRACE.module_at = type(module).__name__, {}
+    method = context.orig_method  # functools.partial(function, module) in Flax
+    method = method.func if isinstance(method, functools.partial) else method
+    return nn.transforms.lift_direct_transform(transform, (method,), module, *args, **kwargs)
 
   with nn.intercept_methods(interceptor):
-    yield base
-  _overrides.check_all_matched(rules, matched, seen_paths)
+    yield spec.policy
+  unmatched = [r for r in spec.rules if r.key not in matched]
+  if unmatched:
+    _overrides.check_all_matched(spec.rules, matched, sorted(seen))

@@ -95,6 +95,12 @@ class Fp8DotGeneral(nnx.Module):
     # `out_sharding` is left to the partitioner (the result keeps the operands' sharding).
     del precision, out_sharding
     out_dtype = preferred_element_type or self.out_dtype
+    from precision._autocast import _api  # pylint: disable=g-import-not-at-top
+    if preferred_element_type is None and _api.tracing():
+      # Under autocast (apply_recipe) the model is traced as the plain program it is: the
+      # GEMM returns what a plain dot of these operands would (its f32 accumulator for
+      # f32 inputs), so the layer's own code (bias add, promotion) traces unchanged.
+      out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     state = Fp8DotState(*(self._operand_state(op) for op in OPERANDS))
     out, new = fp8_dot_general(lhs, rhs, dimension_numbers, state, self.spec,
                                out_dtype=out_dtype)

@@ -32,6 +32,7 @@ class Reduction(NamedTuple):
   reduce_dtype: np.dtype    # dtype the sum runs in
   grad_dtype: np.dtype      # dtype of the mean handed to the optimizer
   compute_dtype: np.dtype   # dtype params are gathered in (stage 3)
+  param_dtype: np.dtype     # dtype loss_fn sees a gathered param in (stage 3)
 
 
 def wider_dtype(a, b) -> np.dtype:
@@ -69,14 +70,17 @@ def all_gather_flat(shard: jax.Array, red: Reduction) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def gather_view(shard: jax.Array, red: Reduction) -> jax.Array:
-  """Stage 3: flat padded full leaf in the COMPUTE dtype, gathered from a shard.
+  """Stage 3: flat padded full leaf, gathered from a shard in the COMPUTE dtype and handed
+  out in the param dtype.
 
-  Forward: cast the shard to `red.compute_dtype`, then all-gather (a bf16 recipe moves
-  bf16, half the bytes of gathering f32 and casting after). Backward: the cotangent of
-  the full leaf (compute dtype) is reduce-scattered in `red.reduce_dtype` and divided by
-  n in `red.grad_dtype`, which must be the shard's dtype.
+  Forward: cast the shard to `red.compute_dtype`, all-gather (a bf16 recipe moves bf16,
+  half the bytes of gathering f32 and casting after), widen to `red.param_dtype` (exact:
+  loss_fn sees params in their own dtype, as at stages 0-2, and its policy GEMMs cast
+  them back). Backward: the cotangent of the full leaf (param dtype, straight from the
+  GEMMs' f32 accumulators) is reduce-scattered in `red.reduce_dtype` and divided by n in
+  `red.grad_dtype`, which must be the shard's dtype: never rounded to the compute dtype.
   """
-  return all_gather_flat(shard.astype(red.compute_dtype), red)
+  return all_gather_flat(shard.astype(red.compute_dtype), red).astype(red.param_dtype)
 
 
 def _gather_fwd(shard, red):

@@ -69,10 +69,14 @@ def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices
                      "gathering shards params, accepted only with zero_stage=3")
   if not isinstance(tx, optax.GradientTransformation):
     raise ValueError(f"tx={tx!r}; accepted: an optax.GradientTransformation")
+  spec = None
   if recipe is None:
     tx = with_standard_promotion(tx)
     hooks, compute_dtype, reduce_dtype = plain_optax_hooks(), None, None
   else:
+    from precision._autocast import _api  # pylint: disable=g-import-not-at-top
+    spec = _api.AutocastSpec.make(get_recipe(recipe).policy,
+                                  fp32_ops=get_recipe(recipe).fp32_ops)
     recipe = get_recipe(recipe)
     # Stage 0 updates full, already reduced grads: every rank sees the same values, so no
     # cross-rank reduction in the optimizer. Stages 1-3 update shards: the finite check
@@ -82,7 +86,8 @@ def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices
     compute_dtype, reduce_dtype = recipe.policy.compute_dtype, recipe.reduce_dtype
   return StepConfig(loss_fn=loss_fn, tx=tx, hooks=hooks, zero_stage=zero_stage,
                     axis_name=axis_name, devices=devices, compute_dtype=compute_dtype,
-                    reduce_dtype=reduce_dtype, gather=gather, fp8_state=fp8_state)
+                    reduce_dtype=reduce_dtype, gather=gather, fp8_state=fp8_state,
+                    autocast=spec)
 
 
 def opt_state_specs(cfg: StepConfig, layout: ParamLayout):
@@ -243,8 +248,11 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
 
   Args:
     loss_fn: `loss_fn(params, local_batch) -> scalar` mean loss over the device's slice of
-      the batch. It receives params in the recipe's COMPUTE dtype (unchanged without a
-      recipe) and must accumulate in f32 (the result is cast to f32).
+      the batch, written with no dtype in mind: with a recipe it runs under
+      `precision.autocast(loss_fn, recipe.policy)` (every GEMM compute x compute -> f32,
+      forward and backward; the recipe's fp32 ops in f32) and receives params in the
+      recipe's PARAM dtype (stage 3: gathered in the compute dtype), so gradients come
+      back in the param dtype at its accuracy. The result is cast to f32.
     tx: the inner optax optimizer. With a recipe it is wrapped by
       `precision.optim.build_optimizer` (master weights, loss scaling, skipping, moment
       dtypes). Without one it runs as given and must be elementwise for stages 1-3 (adam,

@@ -5,7 +5,8 @@ pytree of `ShardedParam` (this device's flat shard of each leaf plus its static 
 instead of full arrays. The model says where a layer begins and ends:
 
   * `gathered_layer(fn)(params, *args)` runs ``fn(full_params, *args)`` with the layer's
-    leaves all-gathered in the compute dtype just before it runs. Nothing gathered is kept
+    leaves all-gathered (moved in the compute dtype, handed over in the param dtype) just
+    before it runs. Nothing gathered is kept
     for backward: the residuals are the shards and `args`; backward gathers the leaves
     again, computes the layer's VJP and reduce-scatters each leaf's gradient at once. So
     at most one layer's full params and full grads are alive at a time (ZeRO-3 as in
@@ -55,8 +56,8 @@ class ShardedParam:
     index: the leaf's position in the params pytree (static; for error messages).
 
   `shape`, `ndim`, `size` and `dtype` describe the FULL leaf as `gather` returns it (dtype:
-  the compute dtype). It is not an array: pass it through `gather`, `gathered_layer` or
-  `call_layer` before computing with it.
+  the param dtype; it travels in the compute dtype). It is not an array: pass it through
+  `gather`, `gathered_layer` or `call_layer` before computing with it.
   """
 
   def __init__(self, shard: jax.Array, layout: LeafLayout, reduction: coll.Reduction,
@@ -84,10 +85,11 @@ class ShardedParam:
 
   @property
   def dtype(self) -> np.dtype:
-    return self.reduction.compute_dtype
+    return self.reduction.param_dtype
 
   def gather(self) -> jax.Array:
-    """The full leaf in the compute dtype (all-gather; its cotangent reduce-scattered)."""
+    """The full leaf in the param dtype, moved in the compute dtype (all-gather; its
+    cotangent reduce-scattered)."""
     _record(self.index)
     return unflatten(coll.gather_view(self.shard, self.reduction), self.layout)
 
@@ -135,7 +137,7 @@ def recording():
 
 # ---- public gathers --------------------------------------------------------------------
 def gather(tree: Any) -> Any:
-  """`tree` with every `ShardedParam` replaced by its full leaf in the compute dtype.
+  """`tree` with every `ShardedParam` replaced by its full leaf (param dtype).
 
   Other leaves pass through, so a model calls it unconditionally. The gathered leaves are
   kept for backward (use `gathered_layer` / `call_layer` to re-gather there instead).
@@ -169,10 +171,11 @@ def _gather_now(params: Any, after: jax.Array | None) -> Any:
     red = x.reduction
     shard = x.shard.astype(red.compute_dtype)
     if tag is None:
-      return unflatten(coll.all_gather_flat(shard, red), x.layout)
+      return unflatten(coll.all_gather_flat(shard, red).astype(red.param_dtype), x.layout)
     rows = jnp.concatenate([shard, tag.astype(red.compute_dtype)])[None, :]
     rows = jax.lax.all_gather(rows, red.axis_name, axis=0, tiled=True)
-    return unflatten(rows[:, :-1].reshape(-1), x.layout)
+    # Moved in the compute dtype, handed to the layer in the param dtype (exact).
+    return unflatten(rows[:, :-1].reshape(-1).astype(red.param_dtype), x.layout)
 
   return jax.tree.map(one, params, is_leaf=is_sharded)
 
@@ -183,7 +186,7 @@ def _reduce_grads(params: Any, full_grads: Any) -> Any:
   def one(p, g):
     if not is_sharded(p):
       return g
-    flat = flatten_pad(g.astype(p.reduction.compute_dtype), p.layout)
+    flat = flatten_pad(g, p.layout)  # param dtype, as the layer's f32 accumulators left it
     return ShardedParam(coll.reduce_scatter_mean(flat, p.reduction), p.layout, p.reduction,
                         p.index)
 
@@ -191,7 +194,17 @@ def _reduce_grads(params: Any, full_grads: Any) -> Any:
 
 
 def _layer_vjp(fn: Callable[..., Any]):
-  """``run(params, args)``: fn(gather(params), *args) with residuals (shards, args) only."""
+  """``run(params, args)``: fn(gather(params), *args) with residuals (shards, args) only.
+
+  Inside a `precision.autocast` trace (data_parallel with a recipe) the layer runs under
+  the same policy in its forward and in its backward re-computation: autocast leaves
+  custom-VJP bodies as written, so the policy is applied here.
+  """
+  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
+  spec = _api.active_spec()
+  if spec is not None:
+    plain = fn
+    fn = lambda p, *a: _api.run(spec, plain, (p, *a), {}, check_overrides=False).outputs
 
   def primal(params, args):
     # Gathered once this layer's inputs exist (not every layer at the start of the step).

@@ -5,8 +5,13 @@ many processes) and under `jax.pmap`. Values are per-device: params full (stages
 one flat shard per leaf (stage 3); optimizer state full (stage 0) or built on flat shards
 (stages 1-3); the batch is this device's slice of the global batch.
 
-Precision (see _collectives): loss_fn sees params in the compute dtype (and, with
-`fp8_state`, the replicated fp8 scaling state, synchronised after every step); the loss is
+Precision (see _collectives): with a recipe, loss_fn runs under `precision.autocast` with
+the recipe's policy (every GEMM compute x compute -> f32 forward and backward, the fp32 ops
+in f32) and is differentiated with respect to the params in their param dtype (stages
+0-2), so each rank's gradients leave the f32 accumulators in the param dtype, as in
+single-device training; stage 3 gathers params in the compute dtype (half the traffic of
+f32), so its gradients are those of the compute-dtype params. With `fp8_state` loss_fn also
+gets the replicated fp8 scaling state, synchronised after every step. The loss is
 multiplied by the loss scale in f32; grads are summed in the reduce dtype and divided by
 n in the wider of (param, reduce) dtype; the optimizer (with `axis_name` when it runs on
 shards) unscales, checks finiteness over the whole model and decides to skip alike on
@@ -79,6 +84,7 @@ class StepConfig:
   reduce_dtype: np.dtype | None    # None: each leaf is reduced in its own dtype
   gather: str = "step"             # stage 3: "step" (once per step) or "layer" (_fsdp)
   fp8_state: bool = False          # loss_fn(params, fp8_state, batch) -> (loss, state)
+  autocast: Any = None             # the recipe's precision._autocast.AutocastSpec, or None
 
   def reduction(self, leaf) -> coll.Reduction:
     reduce_dtype = self.reduce_dtype or leaf.dtype
@@ -88,6 +94,7 @@ class StepConfig:
         reduce_dtype=np.dtype(reduce_dtype),
         grad_dtype=coll.wider_dtype(leaf.dtype, reduce_dtype),
         compute_dtype=np.dtype(self.compute_dtype or leaf.dtype),
+        param_dtype=np.dtype(leaf.dtype),
     )
 
 
@@ -103,14 +110,25 @@ def local_init(cfg: StepConfig, layout: ParamLayout, params):
   return (shards if cfg.zero_stage == 3 else params), cfg.tx.init(shards)
 
 
-def _scaled_loss(cfg: StepConfig, scale: jax.Array, batch):
-  """``f(compute_params, fp8_state) -> (loss * scale in f32, new fp8 state or None)``."""
+def _policy_loss_fn(cfg: StepConfig):
+  """cfg.loss_fn, under the recipe's policy when there is one (outputs in their traced
+  dtypes: the loss as loss_fn computes it, fp8 state in its own dtype)."""
+  if cfg.autocast is None:
+    return cfg.loss_fn
+  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
+  return lambda *args: _api.run(cfg.autocast, cfg.loss_fn, args, {},
+                                check_overrides=False).outputs_in_traced_dtypes()
 
-  def f(compute_params, fp8_state):
+
+def _scaled_loss(cfg: StepConfig, scale: jax.Array, batch):
+  """``f(params, fp8_state) -> (loss * scale in f32, new fp8 state or None)``."""
+  loss_fn = _policy_loss_fn(cfg)
+
+  def f(params, fp8_state):
     if cfg.fp8_state:
-      loss, new_state = cfg.loss_fn(compute_params, fp8_state, batch)
+      loss, new_state = loss_fn(params, fp8_state, batch)
     else:
-      loss, new_state = cfg.loss_fn(compute_params, batch), None
+      loss, new_state = loss_fn(params, batch), None
     return loss.astype(jnp.float32) * scale, new_state
 
   return f
@@ -160,11 +178,10 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch,
   stage, red = cfg.zero_stage, cfg.reduction
   scale = cfg.hooks.loss_scale_of(opt_state).astype(jnp.float32)
   loss_of = _scaled_loss(cfg, scale, batch)
-  to_compute = lambda lay, p: p.astype(red(lay).compute_dtype)
-
   if stage in (0, 1):
-    scaled_loss, grads, fp8_out = _value_and_grad(loss_of, layout.map(to_compute, params),
-                                                  fp8_state)
+    # Differentiated w.r.t. the params in their own dtype: the policy GEMMs cast to the
+    # compute dtype inside their custom VJPs, so f32 params get f32 gradients.
+    scaled_loss, grads, fp8_out = _value_and_grad(loss_of, params, fp8_state)
     if stage == 0:
       grads = layout.map(lambda lay, g: coll.all_reduce_mean(g, red(lay)), grads)
       shards = params
@@ -178,7 +195,7 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch,
     # back the reduced mean in that dtype (an f32 reduction is not rounded to bf16).
     wide = layout.map(lambda lay, s: s.astype(red(lay).grad_dtype), shards)
     if stage == 2:
-      full_flat = layout.map(lambda lay, p: flatten_pad(to_compute(lay, p), lay), params)
+      full_flat = layout.map(lambda lay, p: flatten_pad(p, lay), params)
       view = lambda lay, w, f: unflatten(coll.replicated_view(w, f, red(lay)), lay)
       loss_of_shards = lambda w, st: loss_of(layout.map(view, w, full_flat), st)
     elif cfg.gather == "step":

@@ -205,8 +205,14 @@ class FusedAdamW:
     seed: int seed of the stochastic rounding; leaf i uses ``leaf_seed(seed, i)``.
     keep_master: keep an f32 master copy in the state (16-bit params are then its
       stochastic rounding).
-    impl: "auto" (Pallas on GPU, XLA elsewhere), "xla" or "pallas" (interpret mode off GPU).
+    impl: "auto" (the Pallas kernel in a program lowered for a GPU, the XLA reference in
+      one lowered for any other platform: decided at lowering, so `jax.export` for CUDA on
+      a CPU machine gets the kernel), "xla" or "pallas".
     block_size: elements per Pallas program.
+    interpret: the Pallas kernel's mode, wherever it is used: None (compiled Triton when
+      lowered for a GPU, interpret mode otherwise), False (compiled for every platform:
+      lowering for the CPU then fails) or True (interpret mode everywhere). Must be None
+      with ``impl="xla"``.
     axis_name: None (default) when `update` sees whole leaves. Set it when `update` runs
       inside shard_map/pmap on ZeRO shards laid out as `precision.parallel` does: each
       leaf flattened row-major, zero-padded to a multiple of the axis size n, device r
@@ -236,15 +242,24 @@ class FusedAdamW:
   impl: str = "auto"
   block_size: int = _pallas.BLOCK_SIZE
   axis_name: str | None = None
+  interpret: bool | None = None
 
   def __post_init__(self):
     if self.impl not in IMPLS:
       raise ValueError(f"impl={self.impl!r}; accepted: {', '.join(IMPLS)}")
+    _pallas.check_interpret(self.interpret)
+    if self.impl == "xla" and self.interpret is not None:
+      raise ValueError(f"interpret={self.interpret!r} applies to the Pallas kernel; with "
+                       "impl='xla' pass interpret=None")
     if callable(self.weight_decay) or not isinstance(self.weight_decay, (int, float)):
       raise ValueError(f"weight_decay={self.weight_decay!r}; accepted: a Python float")
     bs = self.block_size
     if bs < 1 or bs & (bs - 1):
       raise ValueError(f"block_size={bs}; accepted: a power of two")
+
+  def _leaf(self, g, p, mu, nu, m, keys, scalars, hp, fi):
+    fn = _leaf_by_impl(self.impl, self.interpret, self.block_size, hp, fi, m is not None)
+    return fn(g, p, mu, nu, keys, scalars, *(() if m is None else (m,)))
 
   def init(self, params: Any) -> FusedAdamWState:
     """f32 zero moments (and the f32 master when `keep_master`), count 0."""
@@ -286,9 +301,6 @@ class FusedAdamW:
     decay = self._decay_flags(params, treedef)
     scalars = step_scalars(state.count, self.learning_rate, self.b1, self.b2,
                            self.weight_decay)
-    impl = self.impl
-    if impl == "auto":
-      impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     step = state.count.astype(jnp.uint32)
     outs = []
     for i, (g, p, mu, nu, m) in enumerate(zip(g_leaves, leaves, mu_leaves, nu_leaves,
@@ -299,18 +311,36 @@ class FusedAdamW:
                                  _hash.shard_offset(self.axis_name, p.size))
       if g.shape != p.shape:
         raise ValueError(f"grad shape {g.shape} != param shape {p.shape} (leaf {i})")
-      if impl == "pallas":
-        outs.append(_leaf_pallas(g, p, mu, nu, m, keys, scalars, hp, fi,
-                                 block_size=self.block_size,
-                                 interpret=_pallas.default_interpret()))
-      else:
-        outs.append(_leaf_reference(g, p, mu, nu, m, keys, scalars, hp, fi))
+      outs.append(self._leaf(g, p, mu, nu, m, keys, scalars, hp, fi))
     new_p, new_mu, new_nu, new_m = (list(t) for t in zip(*outs)) if outs else ([],) * 4
     count_inc = jnp.where(state.count < jnp.iinfo(jnp.int32).max, state.count + 1,
                           state.count)
     master = treedef.unflatten(new_m) if self.keep_master else None
     return treedef.unflatten(new_p), FusedAdamWState(
         count_inc, treedef.unflatten(new_mu), treedef.unflatten(new_nu), master)
+
+
+def _leaf_by_impl(impl: str, interpret: bool | None, block_size: int, hp: Hyper,
+                  fi: formats.FormatInfo, has_master: bool):
+  """The leaf update ``(g, p, mu, nu, keys, scalars, *master) -> (p, mu, nu, master)`` of
+  `impl`; "auto" and ``interpret=None`` are resolved by the platform lowered for."""
+
+  def pallas(interpret):
+    def f(g, p, mu, nu, keys, scalars, *m):
+      return _leaf_pallas(g, p, mu, nu, m[0] if has_master else None, keys, scalars, hp,
+                          fi, block_size=block_size, interpret=interpret)
+    return f
+
+  def xla(g, p, mu, nu, keys, scalars, *m):
+    return _leaf_reference(g, p, mu, nu, m[0] if has_master else None, keys, scalars, hp, fi)
+
+  if impl == "xla":
+    return xla
+  if impl == "pallas" and interpret is not None:
+    return pallas(interpret)
+  gpu = pallas(False if interpret is None else interpret)
+  other = xla if impl == "auto" else pallas(True)
+  return lambda *args: _pallas.on_gpu_platform(gpu, other, *args)
 
 
 def _check_params(params: Any) -> None:

@@ -33,10 +33,13 @@ def mix32(h: jax.Array) -> jax.Array:
   return h
 
 
-def stream_keys(seed: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Two uint32 keys for one (seed, step) stream. Computed once per call, outside kernels."""
-  seed = jnp.asarray(seed).astype(_U32)
-  step = jnp.asarray(step).astype(_U32)
+def stream_keys(seed, step) -> tuple[jax.Array, jax.Array]:
+  """Two uint32 keys for one (seed, step) stream. Computed once per call, outside kernels.
+
+  `seed` and `step` are uint32 counters, validated as `uint32_scalar` says (`seed` is
+  usually `seed_from`'s result already)."""
+  seed = uint32_scalar(seed, "seed")
+  step = uint32_scalar(step, "step")
   k1 = mix32(seed ^ _U32(0x6A09E667))
   k2 = mix32(step ^ k1 ^ _U32(0xBB67AE85))
   return k1, k2
@@ -47,23 +50,50 @@ def bits_at(index: jax.Array, k1: jax.Array, k2: jax.Array) -> jax.Array:
   return mix32(mix32(index ^ k2) + k1)
 
 
+_UINT32_END = 2 ** 32
+_ACCEPTED = "an int in [0, 2**32) or an integer scalar array (a traced one wraps mod 2**32)"
+
+
+def _concrete_int(value: jax.Array | np.ndarray) -> int | None:
+  """The Python int of a concrete integer scalar array; None for a traced one."""
+  try:
+    return int(value)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+    return None
+
+
+def uint32_scalar(value, name: str, accepted: str = _ACCEPTED) -> jax.Array:
+  """A uint32 scalar array from a counter argument (`key`, `step`, `index_offset`).
+
+  Accepted: a Python or NumPy int in [0, 2**32); an integer scalar array of any signed or
+  unsigned dtype whose value, when it is concrete, lies in [0, 2**32); a traced integer
+  scalar (its value cannot be checked: it is cast to uint32, i.e. taken mod 2**32, which
+  is how the optimizer passes its int32 step count). Anything else (bool, float, NaN,
+  str, a non-scalar, an out-of-range value) raises ValueError naming `name` and
+  `accepted`: a silent wrap or cast would give the random bits of another counter.
+  """
+  if isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name}={value!r}; accepted: {accepted}")
+  if isinstance(value, (int, np.integer)):
+    v = int(value)
+    if not 0 <= v < _UINT32_END:
+      raise ValueError(f"{name}={v} is outside the uint32 range; accepted: {accepted}")
+    return jnp.asarray(np.uint32(v))
+  if not isinstance(value, (jax.Array, np.ndarray)):
+    raise ValueError(f"{name}={value!r} (a {type(value).__name__}); accepted: {accepted}")
+  if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+    raise ValueError(f"{name} must be {accepted}; got an array of dtype {value.dtype} and "
+                     f"shape {value.shape}")
+  v = _concrete_int(value)
+  if v is not None and not 0 <= v < _UINT32_END:
+    raise ValueError(f"{name}={v} (dtype {value.dtype}) is outside the uint32 range; "
+                     f"accepted: {accepted}")
+  return jnp.asarray(value).astype(_U32)
+
+
 def offset_from(index_offset) -> jax.Array:
-  """The uint32 scalar of an `index_offset`: a Python int in [0, 2**32) or an integer
-  scalar array (traced values welcome; cast to uint32, so negative values wrap)."""
-  if isinstance(index_offset, (bool, np.bool_)):
-    raise ValueError(f"index_offset={index_offset!r}; accepted: an int in [0, 2**32) or an "
-                     "integer scalar array")
-  if isinstance(index_offset, (int, np.integer)):
-    if not 0 <= int(index_offset) < 2 ** 32:
-      raise ValueError(f"index_offset={int(index_offset)}; accepted: an int in [0, 2**32) "
-                       "or an integer scalar array")
-    return jnp.asarray(np.uint32(int(index_offset)))
-  index_offset = jnp.asarray(index_offset)
-  if index_offset.shape != () or not jnp.issubdtype(index_offset.dtype, jnp.integer):
-    raise ValueError(
-        f"index_offset must be an int in [0, 2**32) or an integer scalar array; got dtype "
-        f"{index_offset.dtype} shape {index_offset.shape}")
-  return index_offset.astype(_U32)
+  """The uint32 scalar of an `index_offset` (see `uint32_scalar`; traced values welcome)."""
+  return uint32_scalar(index_offset, "index_offset")
 
 
 def shard_offset(axis_name: str | None, shard_size: int) -> jax.Array | int:
@@ -96,19 +126,20 @@ def random_bits(seed, step, shape, index_offset=0) -> jax.Array:
 
 
 def seed_from(key) -> jax.Array:
-  """A uint32 seed from an int, a uint32 array, or a `jax.random` key (typed or raw)."""
-  if isinstance(key, (int, np.integer)):
-    return jnp.asarray(np.uint32(int(key) & 0xFFFFFFFF))
-  key = jnp.asarray(key)
-  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return jax.random.bits(key, (), jnp.uint32)
-  if key.shape == (2,) and key.dtype == jnp.uint32:  # raw PRNGKey
-    return jax.random.bits(key, (), jnp.uint32)
-  if key.shape != () or not jnp.issubdtype(key.dtype, jnp.integer):
-    raise ValueError(
-        f"A stochastic-rounding key must be an int, a uint32 scalar or a jax.random key; "
-        f"got dtype {key.dtype} shape {key.shape}")
-  return key.astype(_U32)
+  """A uint32 seed from `key`: an int in [0, 2**32), an integer scalar array (see
+  `uint32_scalar`), or a `jax.random` key (typed, or a raw uint32[2] PRNGKey), whose
+  seed is 32 bits drawn from it.
+
+  Raises:
+    ValueError: for anything else (a float, a bool, a string, an int outside the uint32
+      range, ...), naming the value and what is accepted.
+  """
+  if isinstance(key, (jax.Array, np.ndarray)):
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+      return jax.random.bits(key, (), jnp.uint32)
+    if key.shape == (2,) and key.dtype == jnp.uint32:  # raw PRNGKey
+      return jax.random.bits(jnp.asarray(key), (), jnp.uint32)
+  return uint32_scalar(key, "key", _ACCEPTED + ", or a jax.random key")
 
 
 def leaf_seed(seed, leaf_index: int) -> jax.Array:

@@ -1,5 +1,17 @@
 """Stochastic rounding as a Pallas kernel (GPU: Triton lowering; elsewhere: interpret mode).
 
+Compiled or interpreted is decided when the program is lowered, for the platform it is
+lowered for (`jax.lax.platform_dependent`), not from the machine's default backend:
+a program lowered for CUDA or ROCm holds the compiled Triton kernel, one lowered for any
+other platform Pallas' interpret mode (plain XLA ops). So ``jax.export.export(jax.jit(f),
+platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+TRITON_CUSTOM_CALL)])`` serialises the GPU program on a CPU-only machine, each kernel a
+Triton custom call (tests/test_gpu_lowering.py checks every kernel that way), and the
+same jitted function still runs on the CPU. ``interpret=False`` forces the compiled
+lowering for every platform (lowering for the CPU then fails: it has no Triton). There is
+no TPU (Mosaic) kernel: a TPU program gets the XLA reference (impl="auto") or interpret
+mode; the Triton kernels' masked loads of the partial last block have no Mosaic lowering.
+
 The array is flattened (row-major over its logical shape, so transposed or sliced inputs
 get the same flat indices as in the reference) and cut into 1-D blocks of `block_size`
 elements. Program i handles positions [i * block_size, (i + 1) * block_size), whose flat
@@ -15,7 +27,7 @@ multiple of `block_size`: its loads and stores are masked. Each element is read 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +44,29 @@ BLOCK_SIZE = 1024
 NUM_WARPS = 4
 
 
-def default_interpret() -> bool:
-  """Compiled (Triton) on GPU, interpret mode on every other backend."""
-  return jax.default_backend() != "gpu"
+# The custom-call target of a compiled (Triton) Pallas kernel in StableHLO. `jax.export`
+# refuses to serialise it unless told, since its ABI carries no compatibility guarantee:
+# ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]``.
+# (Public as `jax.experimental.pallas.triton.CUSTOM_CALL_TARGET_NAME` in newer JAX.)
+TRITON_CUSTOM_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+# Platforms whose lowering of a Pallas kernel is the compiled Triton one.
+GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def check_interpret(interpret) -> bool | None:
+  """`interpret` as given when it is None, True or False; ValueError otherwise."""
+  if interpret is None or isinstance(interpret, (bool, np.bool_)):
+    return None if interpret is None else bool(interpret)
+  raise ValueError(f"interpret={interpret!r}; accepted: None (compiled when lowered for a "
+                   "GPU, interpret mode for any other platform), True or False")
+
+
+def on_gpu_platform(gpu: Callable[..., Any], other: Callable[..., Any], *args) -> Any:
+  """``gpu(*args)`` in a program lowered for CUDA or ROCm, ``other(*args)`` in one lowered
+  for any other platform: both are traced, the lowering keeps one (XLA removes the
+  one-branch conditional that remains). Both must return the same types."""
+  return jax.lax.platform_dependent(*args, default=other,
+                                    **{p: gpu for p in GPU_PLATFORMS})
 
 
 def block_indices(block_size: int, n: int) -> tuple[jax.Array, jax.Array]:
@@ -117,7 +149,11 @@ def stochastic_round_pallas(x: jax.Array, dtype: Any, key, step=0, *, index_offs
       index ``index_offset + i``, as in `stochastic_round_reference`. A runtime value:
       shards with different offsets share one compiled kernel.
     block_size: elements per program (a power of two for the Triton lowering).
-    interpret: None picks compiled on GPU and interpret mode elsewhere.
+    interpret: None (default): compiled (Triton) in a program lowered for a GPU
+      (CUDA/ROCm), interpret mode in one lowered for any other platform; decided at
+      lowering, so ``jax.export(..., platforms=["cuda"])`` on a CPU machine gets the
+      compiled kernel. False: compiled for every platform (a CPU lowering then fails);
+      True: interpret mode everywhere.
 
   Returns:
     An array of `dtype` with `x`'s shape.
@@ -128,10 +164,12 @@ def stochastic_round_pallas(x: jax.Array, dtype: Any, key, step=0, *, index_offs
   check_size(x.size)
   if block_size < 1 or block_size & (block_size - 1):
     raise ValueError(f"block_size={block_size}; accepted: a power of two")
+  interpret = check_interpret(interpret)
   keys = kernel_keys(_hash.seed_from(key), step, index_offset)
   if x.size == 0:
     return jnp.zeros(x.shape, fi.dtype)
+  run = lambda interpret: functools.partial(
+      _round, dtype=np.dtype(fi.dtype), block_size=block_size, interpret=interpret)
   if interpret is None:
-    interpret = default_interpret()
-  return _round(x, keys, dtype=np.dtype(fi.dtype), block_size=block_size,
-                interpret=interpret)
+    return on_gpu_platform(run(False), run(True), x, keys)
+  return run(interpret)(x, keys)

@@ -1,9 +1,11 @@
-"""Override rules shared by the NNX and Linen integrations.
+"""Override rules: another policy for part of a program.
 
-`overrides` maps a module path pattern (fnmatch on the "a/b/0/c" path, e.g. "*lm_head*")
-or a module type to another policy (a Policy or a policy string). Rules are tried in the
-order given and the first match wins; a module no rule matches inherits the policy of the
-module that contains it, so an override on a block covers every layer inside it.
+`overrides` maps a path pattern (fnmatch on a "/"-joined module path or name scope such as
+"blocks/0/mlp", e.g. "*lm_head*") or a module type to another policy (a Policy or a policy
+string). An op belongs to the scope it was traced in (NNX module paths, Linen module names,
+`jax.named_scope`s); the deepest enclosing scope that some rule matches decides, and among
+the rules matching that scope the first one given wins. An op no rule matches follows the
+base policy, so an override on a block covers every layer inside it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ class Rule(NamedTuple):
   policy: Policy
 
 
-def parse_overrides(overrides: Mapping[Any, Any] | None, module_base: type | tuple[type, ...]
-                    ) -> tuple[Rule, ...]:
+def parse_overrides(overrides: Mapping[Any, Any] | None,
+                    module_base: type | tuple[type, ...] = object) -> tuple[Rule, ...]:
   """Validates `overrides` and parses every policy.
 
   Raises:
@@ -57,7 +59,7 @@ def match(rules: Iterable[Rule], path: str, module: Any) -> Rule | None:
     if isinstance(rule.key, str):
       if fnmatch.fnmatchcase(path, rule.key):
         return rule
-    elif isinstance(module, rule.key):
+    elif module is not None and isinstance(module, rule.key):
       return rule
   return None
 
@@ -74,3 +76,24 @@ def check_all_matched(rules: Iterable[Rule], matched: set, paths: list[str]) -> 
 
 def path_str(path: Iterable[Any]) -> str:
   return "/".join(str(p) for p in path)
+
+
+def scope_prefixes(scope: str) -> list[str]:
+  """"a/b/c" -> ["a/b/c", "a/b", "a"] (deepest first); "" -> []."""
+  parts = [p for p in scope.split("/") if p]
+  return ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def match_scope(rules: Iterable[Rule], scope: str, module_at: Mapping[str, Any]
+                ) -> Rule | None:
+  """The rule for an op traced in `scope`: the deepest prefix of `scope` that a rule
+  matches (by pattern, or by the type of the module recorded at that prefix in
+  `module_at`); among the rules matching it, the first."""
+  rules = tuple(rules)
+  if not rules:
+    return None
+  for prefix in scope_prefixes(scope):
+    rule = match(rules, prefix, module_at.get(prefix))
+    if rule is not None:
+      return rule
+  return None

@@ -23,6 +23,7 @@ exactly those of JAX's automatic transpose.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, NamedTuple
@@ -41,6 +42,18 @@ class _Undefined(NamedTuple):
   """Stands in for the linear (undefined) operand of JAX's transpose rules: they read
   only `.aval` (shape, dtype of the cotangent to return, sharding, weak_type)."""
   aval: Any
+
+
+def wider_float(*dtypes) -> np.dtype:
+  """A float dtype holding every value of each of `dtypes` exactly: the widest, or f32 when
+  two formats of one width differ (bf16 and f16, E4M3 and E5M2)."""
+  ds = {np.dtype(d) for d in dtypes}
+  if len(ds) == 1:
+    return ds.pop()
+  widest = max(ds, key=lambda d: d.itemsize)
+  if sum(d.itemsize == widest.itemsize for d in ds) > 1:  # e.g. bf16 and f16
+    return np.dtype(np.float32) if widest.itemsize < 4 else np.dtype(np.float64)
+  return widest
 
 
 def _target_aval(like: jax.Array, dtype: np.dtype):
@@ -79,21 +92,26 @@ def _operand_grads(t_lhs, t_rhs, gc, lc, rc, lhs_dtype, rhs_dtype, kw):
 # ----------------------------------------------------------------------------- dot_general
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _dot(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
-  return _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _dot(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
+         out_sharding):
+  return _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
+                  out_sharding)[0]
 
 
-def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype):
+def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
+             out_sharding):
   xc, wc = x.astype(compute), w.astype(compute)
   mm = lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision,
-                                    preferred_element_type=_F32)
+                                    preferred_element_type=_F32, out_sharding=out_sharding)
   out = _on_platform(mm, xc, wc)
   # Residuals in the compute dtype: half the bytes of f32 copies.
-  return out.astype(compute), (xc, wc)
+  return out.astype(out_dtype), (xc, wc)
 
 
-def _dot_bwd(dimension_numbers, precision, compute, x_dtype, w_dtype, res, g):
+def _dot_bwd(dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
+             out_sharding, res, g):
+  del out_dtype, out_sharding  # the transposes take their shardings from the operands
   xc, wc = res
   gc = g.astype(compute)  # round the cotangent once: both GEMMs below are compute x compute
   kw = dict(dimension_numbers=dimension_numbers, precision=precision,
@@ -111,30 +129,45 @@ def _canonical_dims(dimension_numbers):
           (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
 
 
+def _check_compute(compute: np.dtype) -> None:
+  if compute.itemsize == 1 and jnp.issubdtype(compute, jnp.floating):
+    raise ValueError(
+        f"compute dtype {compute.name} is an fp8 format: an fp8 GEMM needs scaling (an "
+        "unscaled cast turns 500 into NaN in E4M3); use an fp8 recipe (precision.get_recipe("
+        "'fp8_hybrid'), precision.Fp8Config) instead of an fp8 compute dtype")
+
+
 def policy_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, compute_dtype: Any,
-                       precision=None, out_sharding=None) -> jax.Array:
+                       precision=None, out_sharding=None, out_dtype: Any = None) -> jax.Array:
   """`lax.dot_general` with both operands in `compute_dtype` and f32 accumulation.
 
   Forward: cast lhs/rhs to `compute_dtype`, `dot_general(..., preferred_element_type=f32)`,
-  round the result once to `compute_dtype`. Backward (compute dtype below f32): the
-  cotangent is rounded to `compute_dtype` and both gradient GEMMs are
-  compute x compute -> f32; each gradient is returned in its operand's own dtype.
+  round the result once to `out_dtype` (default `compute_dtype`). Backward (compute dtype
+  below f32): the cotangent is rounded to `compute_dtype` and both gradient GEMMs are
+  compute x compute -> f32; each gradient is returned in its operand's own dtype, straight
+  from the f32 accumulator (an f32 kernel's gradient is never rounded to bf16).
 
   Args:
     lhs, rhs: floating arrays of any float dtype.
     dimension_numbers: as `lax.dot_general`.
-    compute_dtype: operand dtype of all three GEMMs (bf16, f16, f32, ...).
+    compute_dtype: operand dtype of all three GEMMs (bf16, f16, f32, ...); not fp8 (fp8
+      needs scaling: precision.fp8).
+    out_sharding: as `lax.dot_general` (explicit sharding).
+    out_dtype: the result dtype (e.g. f32 to keep the accumulator); default compute_dtype.
   Returns:
-    An array of `compute_dtype`.
+    An array of `out_dtype`.
   """
   compute = np.dtype(compute_dtype)
+  _check_compute(compute)
+  out = compute if out_dtype is None else np.dtype(out_dtype)
   dims = _canonical_dims(dimension_numbers)
   if compute.itemsize >= _F32.itemsize:
     # f32 (or wider) compute: JAX's own rules already run every GEMM in `compute`.
-    out = lax.dot_general(lhs.astype(compute), rhs.astype(compute), dims, precision=precision,
+    res = lax.dot_general(lhs.astype(compute), rhs.astype(compute), dims, precision=precision,
                           preferred_element_type=compute, out_sharding=out_sharding)
-    return out
-  return _dot(lhs, rhs, dims, precision, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    return res.astype(out)
+  return _dot(lhs, rhs, dims, precision, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
+              out, out_sharding)
 
 
 # ----------------------------------------------------------------------------- convolution
@@ -166,28 +199,39 @@ def _canonical_conv_params(lhs, rhs, **kwargs) -> _ConvParams:
                      p["batch_group_count"], p["precision"])
 
 
-def _conv_call(lhs, rhs, params: _ConvParams, preferred):
+def conv_params_of(params: dict) -> _ConvParams:
+  """The _ConvParams of a traced conv_general_dilated equation's params."""
+  return _ConvParams(tuple(params["window_strides"]),
+                     tuple(tuple(q) for q in params["padding"]),
+                     tuple(params["lhs_dilation"]), tuple(params["rhs_dilation"]),
+                     params["dimension_numbers"], params["feature_group_count"],
+                     params["batch_group_count"], params["precision"])
+
+
+def _conv_call(lhs, rhs, params: _ConvParams, preferred, out_sharding=None):
   return lax.conv_general_dilated(
       lhs, rhs, params.window_strides, params.padding, lhs_dilation=params.lhs_dilation,
       rhs_dilation=params.rhs_dilation, dimension_numbers=params.dimension_numbers,
       feature_group_count=params.feature_group_count,
       batch_group_count=params.batch_group_count, precision=params.precision,
-      preferred_element_type=preferred)
+      preferred_element_type=preferred, out_sharding=out_sharding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _conv(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
-  return _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _conv(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding):
+  return _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype,
+                   out_sharding)[0]
 
 
-def _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype):
+def _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding):
   lc, rc = lhs.astype(compute), rhs.astype(compute)
-  cv = lambda a, b: _conv_call(a, b, params, _F32)
+  cv = lambda a, b: _conv_call(a, b, params, _F32, out_sharding)
   out = _on_platform(cv, lc, rc)
-  return out.astype(compute), (lc, rc)
+  return out.astype(out_dtype), (lc, rc)
 
 
-def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, res, g):
+def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding, res, g):
+  del out_dtype, out_sharding
   lc, rc = res
   gc = g.astype(compute)  # compute x compute backward convolutions, f32 accumulation
   kw = dict(window_strides=params.window_strides, padding=params.padding,
@@ -204,59 +248,62 @@ def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, res, g):
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
+def policy_conv(lhs: jax.Array, rhs: jax.Array, params: _ConvParams, compute_dtype: Any,
+                out_dtype: Any = None, out_sharding=None) -> jax.Array:
+  """The policy convolution for canonical `params` (see policy_conv_general_dilated)."""
+  compute = np.dtype(compute_dtype)
+  _check_compute(compute)
+  out = compute if out_dtype is None else np.dtype(out_dtype)
+  if compute.itemsize >= _F32.itemsize:
+    return _conv_call(lhs.astype(compute), rhs.astype(compute), params, compute,
+                      out_sharding).astype(out)
+  return _conv(lhs, rhs, params, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype), out,
+               out_sharding)
+
+
 def policy_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, padding,
                                 lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
                                 feature_group_count: int = 1, batch_group_count: int = 1,
                                 precision=None, *, compute_dtype: Any,
-                                out_sharding=None) -> jax.Array:
+                                out_sharding=None, out_dtype: Any = None) -> jax.Array:
   """`lax.conv_general_dilated` with compute-dtype operands and f32 accumulation in the
-  forward and both backward convolutions; returns `compute_dtype`."""
-  compute = np.dtype(compute_dtype)
-  kwargs = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
-                rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-                feature_group_count=feature_group_count,
-                batch_group_count=batch_group_count, precision=precision)
-  if compute.itemsize >= _F32.itemsize:
-    return lax.conv_general_dilated(lhs.astype(compute), rhs.astype(compute),
-                                    out_sharding=out_sharding, **kwargs)
-  params = _canonical_conv_params(lhs, rhs, **kwargs)
-  return _conv(lhs, rhs, params, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  forward and both backward convolutions; returns `out_dtype` (default compute_dtype)."""
+  params = _canonical_conv_params(lhs, rhs, window_strides=window_strides, padding=padding,
+                                  lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                                  dimension_numbers=dimension_numbers,
+                                  feature_group_count=feature_group_count,
+                                  batch_group_count=batch_group_count, precision=precision)
+  return policy_conv(lhs, rhs, params, compute_dtype, out_dtype, out_sharding)
 
 
 # ----------------------------------------------------------------------------- callables
 
 
 def _scoped(scope: str):
-  return jax.named_scope(scope) if scope else _NullScope()
-
-
-class _NullScope:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
+  return jax.named_scope(scope) if scope else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyDotGeneral:
-  """A `dot_general` callable for a Flax layer's `dot_general` attribute.
+  """A `dot_general` callable for a Flax layer's `dot_general` attribute (or
+  `jnp.einsum(..., _dot_general=...)`): compute-dtype operands, f32 accumulation, forward
+  and backward (`policy_dot_general`).
 
-  Hashable and static (NNX stores it in the graph definition). `scope` (the layer's module
-  path) becomes a `jax.named_scope`, so `precision.audit` can attribute the layer's
-  forward and backward GEMMs to it. The caller's `preferred_element_type` is ignored:
-  the policy always accumulates in f32.
+  Hashable and static (NNX stores it in the graph definition). `scope` becomes a
+  `jax.named_scope`, so `precision.audit` attributes the GEMMs to it. A
+  `preferred_element_type` passed by the caller is the result dtype (the accumulation is
+  f32 either way): `preferred_element_type=f32` keeps the f32 accumulator unrounded.
   """
 
   compute_dtype: np.dtype
   scope: str = ""
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None, out_sharding=None, **unused):
-    del preferred_element_type, unused
+               preferred_element_type=None, out_sharding=None):
     with _scoped(self.scope):
       return policy_dot_general(lhs, rhs, dimension_numbers, self.compute_dtype,
-                                precision=precision, out_sharding=out_sharding)
+                                precision=precision, out_sharding=out_sharding,
+                                out_dtype=preferred_element_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,19 +315,26 @@ class PolicyConv:
 
   def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                dimension_numbers=None, feature_group_count=1, batch_group_count=1,
-               precision=None, preferred_element_type=None, out_sharding=None, **unused):
-    del preferred_element_type, unused
+               precision=None, preferred_element_type=None, out_sharding=None):
     with _scoped(self.scope):
       return policy_conv_general_dilated(
           lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
           feature_group_count, batch_group_count, precision,
-          compute_dtype=self.compute_dtype, out_sharding=out_sharding)
+          compute_dtype=self.compute_dtype, out_sharding=out_sharding,
+          out_dtype=preferred_element_type)
 
 
 def policy_einsum(subscripts: str, *operands: jax.Array, compute_dtype: Any,
                   dot_general=None, precision=None) -> jax.Array:
-  """`jnp.einsum` whose contractions go through a policy dot_general (or `dot_general`)."""
+  """`jnp.einsum` whose contractions go through a policy dot_general (or `dot_general`),
+  returning `compute_dtype`.
+
+  Operands reach the GEMM in their own dtypes (a narrower one is widened exactly to the
+  widest first, as jnp.einsum would promote): the cast to `compute_dtype` happens inside
+  the GEMM's custom VJP, so an f32 kernel's gradient leaves the f32 accumulator unrounded.
+  """
   dg = dot_general if dot_general is not None else PolicyDotGeneral(np.dtype(compute_dtype))
-  ops = [o.astype(compute_dtype) for o in operands]
+  widest = wider_float(*(o.dtype for o in operands))
+  ops = [o.astype(widest) for o in operands]
   out = jnp.einsum(subscripts, *ops, precision=precision, _dot_general=dg)
   return out.astype(compute_dtype)

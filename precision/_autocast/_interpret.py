@@ -1,0 +1,340 @@
+"""Evaluates a traced program (a jaxpr) equation by equation under a precision policy.
+
+Each equation is bound again with the source line and name stack it was traced with (so
+`precision.audit` and profiles attribute the new ops to the user's code and module paths),
+after the rule of `_rules` for its primitive has decided the dtypes. An equation whose
+operands arrive in their traced dtypes and whose rule changes nothing is bound exactly as
+traced; a container (jit, scan, while, cond, remat, custom_jvp) in which nothing changes is
+bound as one, unchanged: a policy that changes nothing reproduces the program bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from precision import _compat
+from precision._policy import Policy
+from precision._autocast import _overrides
+from precision._autocast import _regions
+from precision._autocast import _rules as R
+from precision import _gemm
+
+_F32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass
+class Env:
+  """What the interpreter needs besides the values: the policy per scope, the f32 ops,
+  and what it has seen (scopes, matched override rules)."""
+
+  policy: Policy
+  rules: tuple                      # _overrides.Rule, in the order given
+  fp32_primitives: frozenset
+  module_at: dict = dataclasses.field(default_factory=dict)      # scope -> module
+  module_policy: dict = dataclasses.field(default_factory=dict)  # scope -> Policy
+  root: str = ""   # a leading scope every op carries (Linen: the root module's class name)
+  recompute_f32: bool = True  # f32 glue regions recomputed in backward (see _regions)
+  seen_scopes: set = dataclasses.field(default_factory=set)
+  matched: set = dataclasses.field(default_factory=set)
+  _policies: dict = dataclasses.field(default_factory=dict)
+  _static: dict = dataclasses.field(default_factory=dict)
+
+  def local(self, scope: str) -> str:
+    """`scope` without the root's leading name."""
+    if self.root and (scope == self.root or scope.startswith(self.root + "/")):
+      return scope[len(self.root) + 1:]
+    return scope
+
+  def policy_at(self, scope: str) -> Policy:
+    if scope not in self._policies:
+      result = self.policy
+      for prefix in _overrides.scope_prefixes(scope):
+        rule = _overrides.match(self.rules, prefix, self.module_at.get(prefix))
+        if rule is not None:
+          self.matched.add(rule.key)
+          result = rule.policy
+          break
+        if prefix in self.module_policy:
+          result = self.module_policy[prefix]
+          break
+      self._policies[scope] = result
+    return self._policies[scope]
+
+  def record(self, scope: str) -> None:
+    if scope and scope not in self.seen_scopes:
+      self.seen_scopes.add(scope)
+      self.policy_at(scope)  # marks the override rules this scope uses as matched
+
+
+def _join(prefix: str, stack: str) -> str:
+  return "/".join(s for s in (prefix, stack) if s)
+
+
+def _read(env_vals: dict, v) -> Any:
+  if isinstance(v, jax.extend.core.Literal):
+    val = v.val
+    dt = getattr(v.aval, "dtype", None)
+    return np.asarray(val, dt) if dt is not None and R.is_float(dt) else val
+  return env_vals[v]
+
+
+def eval_jaxpr(env: Env, jaxpr, consts, args, prefix: str = "") -> list:
+  """The outputs of `jaxpr` on `args` with every equation under the policy."""
+  vals: dict = {}
+  for v, x in zip(jaxpr.constvars, consts):
+    vals[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    vals[v] = x
+  regions = _regions.plan(jaxpr, env, prefix, lambda e: _below_f32_at(env, e, prefix)) \
+      if env.recompute_f32 else {}
+  i = 0
+  while i < len(jaxpr.eqns):
+    region = regions.get(i)
+    if region is None:
+      _eval_eqn(env, jaxpr.eqns[i], vals, prefix)
+      i += 1
+      continue
+    _eval_region(env, jaxpr.eqns[region.start:region.stop], region, vals, prefix)
+    i = region.stop
+  return [_read(vals, v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(env: Env, eqn, vals: dict, prefix: str) -> None:
+  invals = [_read(vals, v) for v in eqn.invars]
+  raw = str(eqn.source_info.name_stack)
+  scope, backward = R.scope_of(_join(prefix, raw))
+  scope = env.local(scope)
+  env.record(scope)
+  own = eqn.source_info.name_stack
+  if env.root and not prefix:
+    own = _compat.without_leading_scope(own, env.root)
+  name_stack = _compat.current_name_stack() + own
+  with _compat.user_context(eqn.source_info.traceback, name_stack), _compat.eqn_context(eqn):
+    outs = _apply(env, eqn, invals, _join(prefix, raw), scope, backward)
+  if not eqn.primitive.multiple_results:
+    outs = [outs]
+  for v, x in zip(eqn.outvars, outs):
+    vals[v] = x
+
+
+def _below_f32_at(env: Env, eqn, prefix: str) -> bool:
+  scope = env.local(R.scope_of(_join(prefix, str(eqn.source_info.name_stack)))[0])
+  return R.below_f32(env.policy_at(scope).compute_dtype)
+
+
+def _eval_region(env: Env, eqns, region, vals: dict, prefix: str) -> None:
+  """Evaluates a glue region under jax.checkpoint: the backward pass keeps its inputs and
+  recomputes the rest (see _regions)."""
+
+  def fn(*inputs):
+    local = dict(zip(region.inputs, inputs))
+    for eqn in eqns:
+      _eval_eqn(env, eqn, local, prefix)
+    return [local[v] for v in region.outputs]
+
+  outs = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)(
+      *[vals[v] for v in region.inputs])
+  for v, x in zip(region.outputs, outs):
+    vals[v] = x
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _as_traced(eqn, invals):
+  """Operands cast back to the dtypes the equation was traced with."""
+  return [R.cast(x, R.as_dtype(v.aval.dtype)) if R.is_float(R.dtype_of(x))
+          and R.is_float(v.aval.dtype) else x for x, v in zip(invals, eqn.invars)]
+
+
+def _verbatim(eqn, invals):
+  return _compat.bind_eqn(eqn, _as_traced(eqn, invals))
+
+
+def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool):
+  name = eqn.primitive.name
+  dts = [R.dtype_of(x) for x in invals]
+  if name in R.GEMMS:
+    plan = R.gemm_plan(eqn, dts[0], dts[1], env.policy_at(scope).compute_dtype, backward)
+    if plan is None:
+      return _verbatim(eqn, invals)
+    p = eqn.params
+    if name == "dot_general":
+      return _gemm.policy_dot_general(
+          invals[0], invals[1], p["dimension_numbers"], plan.compute,
+          precision=p.get("precision"), out_sharding=p.get("out_sharding"), out_dtype=plan.out)
+    return _gemm.policy_conv(invals[0], invals[1], _gemm.conv_params_of(p), plan.compute,
+                             plan.out, out_sharding=p.get("out_sharding"))
+  if name in env.fp32_primitives and R.f32_plan(dts):
+    ups = [R.cast(x, _F32) if R.below_f32(d) else x for x, d in zip(invals, dts)]
+    return _compat.bind_eqn(eqn, ups)
+  if name in R.CONTAINERS:
+    return _container(env, eqn, invals, prefix)
+  if name in R.PROMOTING:
+    return _compat.bind_eqn(eqn, R.promote_operands(eqn, invals))
+  if name in R.POLYMORPHIC:
+    return _compat.bind_eqn(eqn, invals)
+  return _verbatim(eqn, invals)
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+def _closed(j):
+  """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
+  return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, [])
+
+
+def _subjaxprs(eqn) -> list:
+  out = []
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+        out.append(_closed(v)[0])
+  return out
+
+
+def changes(env: Env, jaxpr, prefix: str, jvp_rules: bool = True) -> bool:
+  """Whether evaluating `jaxpr` on operands of its traced dtypes would change any
+  equation. Exact: while nothing changes, every value keeps its traced dtype.
+
+  A custom_jvp call changes when its primal or its JVP rule does; the rule's own jaxpr
+  calls the primal again (`jvp_rules=False` there: its primal was already checked)."""
+  key = (id(jaxpr), prefix, jvp_rules)
+  if key not in env._static:
+    env._static[key] = False  # recursion guard
+    found = False
+    for eqn in jaxpr.eqns:
+      raw = _join(prefix, str(eqn.source_info.name_stack))
+      scope, backward = R.scope_of(raw)
+      scope = env.local(scope)
+      env.record(scope)
+      name = eqn.primitive.name
+      dts = [R.as_dtype(v.aval.dtype) if hasattr(v.aval, "dtype") else None
+             for v in eqn.invars]
+      if name in R.GEMMS:
+        found = R.gemm_plan(eqn, dts[0], dts[1], env.policy_at(scope).compute_dtype,
+                            backward) is not None
+      elif name in env.fp32_primitives:
+        found = R.f32_plan(d for d in dts if d is not None)
+      elif name in R.CONTAINERS:
+        found = any(changes(env, sub, raw) for sub in _subjaxprs(eqn))
+        if name == "custom_jvp_call" and not found and jvp_rules:
+          found = changes(env, _custom_jvp_rule(eqn)[0], raw, jvp_rules=False)
+      if found:
+        break
+    env._static[key] = found
+  return env._static[key]
+
+
+def _same_dtypes(eqn, invals) -> bool:
+  return all(R.dtype_of(x) == R.as_dtype(v.aval.dtype) for x, v in zip(invals, eqn.invars)
+             if hasattr(v.aval, "dtype") and hasattr(x, "dtype"))
+
+
+def _traced_out_dtypes(eqn) -> list[np.dtype]:
+  return [R.as_dtype(v.aval.dtype) for v in eqn.outvars]
+
+
+def _cast_all(xs, dtypes):
+  return [R.cast(x, d) if R.is_float(d) and R.is_float(R.dtype_of(x)) else x
+          for x, d in zip(xs, dtypes)]
+
+
+def _container(env: Env, eqn, invals, prefix: str):
+  name, p = eqn.primitive.name, eqn.params
+  if _same_dtypes(eqn, invals) and not any(changes(env, s, prefix) for s in _subjaxprs(eqn)):
+    if name != "custom_jvp_call" or not changes(env, _custom_jvp_rule(eqn)[0], prefix,
+                                                jvp_rules=False):
+      return _compat.bind_eqn(eqn, invals)
+  run = lambda j, args: eval_jaxpr(env, *_closed(j), args, prefix)
+  if name in ("jit", "pjit", "closed_call", "core_call"):
+    return run(p.get("jaxpr", p.get("call_jaxpr")), invals)
+  if name == "scan":
+    return _scan(eqn, invals, run)
+  if name == "while":
+    return _while(eqn, invals, run)
+  if name == "cond":
+    if p.get("branches_platforms"):
+      return _verbatim(eqn, invals)  # lax.platform_dependent: kept per platform as written
+    outs = _traced_out_dtypes(eqn)
+    branches = [lambda *ops, b=b: _cast_all(run(b, list(ops)), outs) for b in p["branches"]]
+    return lax.switch(invals[0], branches, *invals[1:])
+  if name in ("remat2", "checkpoint"):
+    fn = lambda *args: run(p["jaxpr"], list(args))
+    return jax.checkpoint(fn, prevent_cse=p.get("prevent_cse", True),
+                          policy=p.get("policy"))(*invals)
+  if name == "custom_jvp_call":
+    return _custom_jvp(env, eqn, invals, prefix)
+  raise AssertionError(name)
+
+
+def _scan(eqn, invals, run):
+  p = eqn.params
+  nc, nk = p["num_consts"], p["num_carry"]
+  consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+  carry_dtypes = [R.as_dtype(v.aval.dtype) for v in eqn.invars[nc:nc + nk]]
+
+  def body(carry, x):
+    outs = run(p["jaxpr"], [*consts, *carry, *x])
+    return _cast_all(outs[:nk], carry_dtypes), outs[nk:]
+
+  carry, ys = lax.scan(body, _cast_all(init, carry_dtypes), xs, length=p["length"],
+                       reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+def _while(eqn, invals, run):
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+  carry_dtypes = [R.as_dtype(v.aval.dtype) for v in eqn.invars[cn + bn:]]
+  cond = lambda c: run(p["cond_jaxpr"], [*cconsts, *c])[0]
+  body = lambda c: _cast_all(run(p["body_jaxpr"], [*bconsts, *c]), carry_dtypes)
+  return lax.while_loop(cond, body, _cast_all(init, carry_dtypes))
+
+
+_JVP_RULES: dict = {}
+
+
+def _custom_jvp_rule(eqn):
+  """(jaxpr, consts) of the custom JVP rule with every tangent nonzero (memoised per
+  equation while it lives)."""
+  key = id(eqn)
+  hit = _JVP_RULES.get(key)
+  if hit is None or hit[0] is not eqn:
+    result = _compat.custom_jvp_rule(eqn.params, [False] * len(eqn.invars))
+    hit = _JVP_RULES[key] = (eqn, _closed(result[0])[0], result[1])
+    if len(_JVP_RULES) > 4096:
+      _JVP_RULES.clear()
+      _JVP_RULES[key] = hit
+  return hit[1], hit[2]
+
+
+def _custom_jvp(env: Env, eqn, invals, prefix: str):
+  """A custom_jvp call rebuilt around the policy: primal and JVP rule both evaluated by the
+  interpreter; tangents returned in the primal outputs' dtypes. Integer operands keep the
+  call as written."""
+  if not all(R.is_float(R.dtype_of(x)) for x in invals):
+    return _verbatim(eqn, invals)
+  call = eqn.params["call_jaxpr"]
+  n_out = len(eqn.outvars)
+
+  @jax.custom_jvp
+  def f(*args):
+    return eval_jaxpr(env, *_closed(call), list(args), prefix)
+
+  @f.defjvp
+  def f_jvp(primals, tangents):
+    jaxpr, consts = _custom_jvp_rule(eqn)
+    res = eval_jaxpr(env, jaxpr, consts, [*primals, *tangents], prefix)
+    primal_out = f(*primals)
+    tangent_out = [R.cast(t, R.dtype_of(y)) for t, y in zip(res[n_out:], primal_out)]
+    return primal_out, tangent_out
+
+  return f(*invals)

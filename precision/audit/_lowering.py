@@ -1,0 +1,408 @@
+"""The GEMMs of a program as lowered for a platform (StableHLO), and a recipe check on them.
+
+`precision.audit` reads the jaxpr, before XLA's platform-specific lowering. This module
+reads what a platform is actually handed: ``jax.export.export(jax.jit(fn),
+platforms=[platform])`` lowers the whole program for that platform on any machine (a
+CPU-only one included), and its StableHLO text names every ``stablehlo.dot_general`` and
+``stablehlo.convolution`` with its operand and result element types. Branches that
+`jax.lax.platform_dependent` keeps for other platforms (the f32-upcast CPU branch of the
+policy GEMMs, the interpret-mode Pallas kernels) are not in a single-platform lowering,
+so the dtypes read are those the chosen platform runs.
+
+Examples:
+  >>> from precision.audit import lower
+  >>> prog = lower(train_step, params, batch, platform="cuda")
+  >>> prog.gemm_signatures()        # Counter({('bf16', 'bf16', 'f32'): 45})
+  >>> prog.check("bf16_mixed")      # raises PrecisionViolation listing offending GEMMs
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from precision._policy import dtype_name
+from precision._recipe import Recipe, get_recipe
+from precision.audit._report import PrecisionViolation
+
+_F32 = np.dtype(np.float32)
+
+# StableHLO element type -> NumPy dtype.
+_ELEMENT_TYPES: dict[str, np.dtype] = {
+    "f64": np.dtype(np.float64),
+    "f32": _F32,
+    "f16": np.dtype(np.float16),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+    "f8E4M3FN": np.dtype(ml_dtypes.float8_e4m3fn),
+    "f8E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "f8E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "f8E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "f8E4M3B11FNUZ": np.dtype(ml_dtypes.float8_e4m3b11fnuz),
+    "i64": np.dtype(np.int64),
+    "i32": np.dtype(np.int32),
+    "i16": np.dtype(np.int16),
+    "i8": np.dtype(np.int8),
+    "ui64": np.dtype(np.uint64),
+    "ui32": np.dtype(np.uint32),
+    "ui16": np.dtype(np.uint16),
+    "ui8": np.dtype(np.uint8),
+}
+
+# `tensor<2x15x64xbf16>`: the body, one level of nested <...> allowed (`complex<f32>`, an
+# encoding after a comma as in `tensor<?x4xf32, #stablehlo.bounds<...>>`).
+_TENSOR = r"tensor<((?:[^<>]|<[^<>]*>)*)>"
+_DIMS = re.compile(r"^((?:(?:\d+|\?)x)*)(.+)$")
+_GEMM = re.compile(
+    r"stablehlo\.(dot_general|convolution)\b.*:\s*\(\s*" + _TENSOR + r"\s*,\s*" + _TENSOR
+    + r"\s*\)\s*->\s*" + _TENSOR + r"(?:\s*loc\((.*)\))?\s*$")
+_CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s+@([\w$.\-]+)")
+_CUSTOM_CALL_GENERIC = re.compile(r'"stablehlo\.custom_call".*call_target_name\s*=\s*"([^"]+)"')
+_LOC_ALIAS = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$", re.M)
+_NAME_LOC = re.compile(r'^"((?:[^"\\]|\\.)*)"')
+_CALLSITE = re.compile(r"^callsite\((#loc\d*|.*?) at ")
+
+
+class LoweredGemm(NamedTuple):
+  """One `stablehlo.dot_general` or `stablehlo.convolution` of a lowered program.
+
+  Attributes:
+    op: "dot_general" or "convolution".
+    lhs_dtype, rhs_dtype: the operands' element types (NumPy dtype names: "bfloat16",
+      "float8_e4m3fn", "float32", ...).
+    out_dtype: the result's element type: where the platform's GEMM accumulates (the
+      f32 of ``preferred_element_type=float32``) or what it rounds to.
+    shape: "bf16[2,15,64] x bf16[64,192] -> f32[2,15,192]".
+    name: the op's JAX name stack as the lowering records it, e.g.
+      "jit(step)/transpose(jvp(lm_head))/dot_general"; "" when the module has no
+      locations.
+  """
+
+  op: str
+  lhs_dtype: str
+  rhs_dtype: str
+  out_dtype: str
+  shape: str
+  name: str
+
+  @property
+  def direction(self) -> str:
+    """"bwd" for a GEMM JAX emitted while transposing (the backward pass: its name stack
+    holds "transpose("), else "fwd". Needs the module's locations (`jax.export` and
+    `lower` keep them); without a name every GEMM reads as "fwd"."""
+    return "bwd" if "transpose(" in self.name else "fwd"
+
+  @property
+  def is_fp8(self) -> bool:
+    return self.lhs_dtype.startswith("float8") or self.rhs_dtype.startswith("float8")
+
+  def signature(self) -> tuple[str, str, str]:
+    """(lhs, rhs, out) short dtype names, e.g. ("bf16", "bf16", "f32")."""
+    return _short(self.lhs_dtype), _short(self.rhs_dtype), _short(self.out_dtype)
+
+
+def _short(name: str) -> str:
+  try:
+    return dtype_name(name)
+  except (ValueError, KeyError, TypeError):
+    return name
+
+
+def _tensor(spec: str) -> tuple[str, str]:
+  """"2x15x64xbf16" -> ("bfloat16", "bf16[2,15,64]"); dynamic dims print as "?"."""
+  depth, end = 0, len(spec)
+  for i, ch in enumerate(spec):  # the type ends at the first comma outside <...>
+    depth += (ch == "<") - (ch == ">")
+    if ch == "," and depth == 0:
+      end = i
+      break
+  m = _DIMS.match(spec[:end].strip())
+  dims = [d for d in m.group(1).split("x") if d]
+  element = m.group(2).strip()
+  dt = _ELEMENT_TYPES.get(element)
+  name = dt.name if dt is not None else element
+  return name, f"{_short(name)}[{','.join(dims)}]"
+
+
+def _loc_names(text: str) -> dict[str, str]:
+  """{"#locN": the innermost op name it stands for} from the module's location aliases."""
+  aliases = {k: v.strip() for k, v in _LOC_ALIAS.findall(text)}
+  names: dict[str, str] = {}
+
+  def resolve(body: str, depth: int = 0) -> str:
+    if depth > 64:
+      return ""
+    body = body.strip()
+    if body.startswith("#loc"):
+      ref = body.split()[0].rstrip(")")
+      if ref in names:
+        return names[ref]
+      out = resolve(aliases.get(ref, ""), depth + 1)
+      names[ref] = out
+      return out
+    m = _NAME_LOC.match(body)
+    if m:  # NameLoc: "name"(child); a FileLineColLoc "file":l:c is no name
+      rest = body[m.end():]
+      return m.group(1) if rest.startswith("(") or not rest else ""
+    m = _CALLSITE.match(body)
+    if m:  # callsite(callee at caller): the callee carries the op's name
+      return resolve(m.group(1), depth + 1)
+    return ""
+
+  for ref in aliases:
+    resolve(ref)
+  return names
+
+
+def stablehlo_text(module: Any) -> str:
+  """The StableHLO text of a `jax.export.Exported`, a `jax.stages.Lowered` or a str."""
+  if isinstance(module, str):
+    return module
+  if isinstance(module, jax.export.Exported):
+    return module.mlir_module()
+  if hasattr(module, "as_text"):  # jax.stages.Lowered
+    return module.as_text(debug_info=True)
+  raise ValueError(f"Expected StableHLO text, a jax.export.Exported or a jax.stages.Lowered; "
+                   f"got {type(module).__name__}")
+
+
+def lowered_gemms(module: Any) -> tuple[LoweredGemm, ...]:
+  """Every dot_general and convolution of a lowered module, in program order.
+
+  Args:
+    module: StableHLO text, a `jax.export.Exported` or a `jax.stages.Lowered`.
+
+  Returns:
+    One `LoweredGemm` per op occurrence in the text (an op inside a called function is
+    listed once however often it is called).
+
+  Raises:
+    ValueError: a GEMM line whose types cannot be read (the message quotes it), or a
+      `module` of another type.
+
+  Examples:
+    >>> exp = jax.export.export(jax.jit(f), platforms=["cuda"])(x, w)
+    >>> [g.signature() for g in lowered_gemms(exp)]   # [("bf16", "bf16", "f32")]
+  """
+  text = stablehlo_text(module)
+  names = _loc_names(text)
+  out = []
+  for line in text.splitlines():
+    if "stablehlo.dot_general" not in line and "stablehlo.convolution" not in line:
+      continue
+    m = _GEMM.search(line)
+    if m is None:
+      raise ValueError(f"Cannot read the operand/result types of this GEMM: {line.strip()}")
+    op, lhs, rhs, res, loc = m.groups()
+    (lt, ls), (rt, rs), (ot, os_) = _tensor(lhs), _tensor(rhs), _tensor(res)
+    name = ""
+    if loc:
+      loc = loc.strip()
+      name = names.get(loc.split()[0], "") if loc.startswith("#loc") else ""
+      if not name:
+        nm = _NAME_LOC.match(loc)
+        name = nm.group(1) if nm else ""
+    out.append(LoweredGemm(op, lt, rt, ot, f"{ls} x {rs} -> {os_}", name))
+  return tuple(out)
+
+
+class LoweredCustomCall(NamedTuple):
+  """One `stablehlo.custom_call` of a lowered program (a compiled Pallas kernel is one).
+
+  Attributes:
+    target: the call target, e.g. `precision.rounding.TRITON_CUSTOM_CALL`.
+    name: the kernel's name where the call carries one (a Pallas kernel's ``name=``, e.g.
+      "stochastic_round_bf16"), else "".
+    operands, results: "dtype[dims]" strings of the operand and result tensors, e.g.
+      ("uint32[4]", "f32[3000]") and ("uint16[3000]",).
+  """
+
+  target: str
+  name: str
+  operands: tuple[str, ...]
+  results: tuple[str, ...]
+
+
+_KERNEL_NAME = re.compile(r'\bname = "([\w.$-]+)"')
+
+
+def custom_calls(module: Any) -> tuple[LoweredCustomCall, ...]:
+  """Every custom call of a lowered module, in program order (a call inside a function
+  that is called several times is listed once).
+
+  Args:
+    module: StableHLO text, a `jax.export.Exported` or a `jax.stages.Lowered`.
+  """
+  out = []
+  for line in stablehlo_text(module).splitlines():
+    m = _CUSTOM_CALL.search(line) or _CUSTOM_CALL_GENERIC.search(line)
+    if m is None:
+      continue
+    name = _KERNEL_NAME.findall(line)
+    operands, results = (), ()
+    if " : (" in line:
+      sig = line.rsplit(" : (", 1)[1]
+      ops, _, res = sig.partition(") -> ")
+      res = res.split(" loc(")[0]
+      operands = tuple(_tensor(t)[1] for t in re.findall(_TENSOR, ops))
+      results = tuple(_tensor(t)[1] for t in re.findall(_TENSOR, res))
+    out.append(LoweredCustomCall(m.group(1), name[-1] if name else "", operands, results))
+  return tuple(out)
+
+
+def custom_call_targets(module: Any) -> dict[str, int]:
+  """{custom-call target: occurrences in the text} of a lowered module, e.g. the
+  compiled Pallas kernels (`precision.rounding.TRITON_CUSTOM_CALL` on a GPU)."""
+  return dict(collections.Counter(c.target for c in custom_calls(module)))
+
+
+def _expected(recipe: Recipe) -> tuple[str, str | None, str | None]:
+  """(compute dtype name, fp8 forward format name, fp8 backward format name)."""
+  compute = np.dtype(recipe.policy.compute_dtype).name
+  if recipe.fp8 is None:
+    return compute, None, None
+  fwd = np.dtype(_fp8_dtype(recipe.fp8.forward_format)).name
+  bwd = np.dtype(_fp8_dtype(recipe.fp8.backward_format)).name
+  return compute, fwd, bwd
+
+
+def _fp8_dtype(name: str) -> np.dtype:
+  return np.dtype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[name])
+
+
+def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str) -> list[str]:
+  """What in `gemms` (from one lowering) contradicts `recipe`; empty when it follows it.
+
+  The rules (the mixed-precision GEMM contract of every preset):
+    * every GEMM's result is float32: accumulation in f32 (for an f32 compute dtype,
+      f32 x f32 -> f32);
+    * a GEMM without fp8 operands takes both operands in the recipe's compute dtype;
+    * with ``recipe.fp8``: at least one forward and one backward fp8 GEMM; a forward fp8
+      GEMM takes both operands in `fp8.forward_format` (E4M3); a backward one (JAX's
+      transpose, see `LoweredGemm.direction`) takes the gradient in
+      `fp8.backward_format` (E5M2) and the saved operand in the forward format. GEMMs of
+      layers the fp8 config keeps in high precision are ordinary compute-dtype GEMMs.
+    * a recipe without fp8 has no fp8 GEMM.
+
+  Args:
+    gemms: `lowered_gemms(...)` of a program lowered for one platform.
+    recipe: a Recipe or a preset name.
+
+  Returns:
+    One line per offending GEMM (signature, shape, name) plus a line per missing fp8
+    direction.
+  """
+  recipe = get_recipe(recipe)
+  compute, fwd8, bwd8 = _expected(recipe)
+  found = []
+  n_fp8 = collections.Counter()
+  for g in gemms:
+    sig = " x ".join(g.signature()[:2]) + " -> " + g.signature()[2]
+    where = f"{g.direction} {g.op} {g.shape} [{g.name or '?'}]"
+    if g.out_dtype != _F32.name:
+      found.append(f"GEMM result {_short(g.out_dtype)} (accumulation below f32 or a result "
+                   f"not from an f32 accumulator): {sig}: {where}")
+    if not g.is_fp8:
+      if g.lhs_dtype != compute or g.rhs_dtype != compute:
+        found.append(f"GEMM operands {sig}, expected {_short(compute)} x {_short(compute)} "
+                     f"(recipe {recipe.name}): {where}")
+      continue
+    if fwd8 is None:
+      found.append(f"fp8 GEMM {sig} in recipe {recipe.name}, which has no fp8: {where}")
+      continue
+    n_fp8[g.direction] += 1
+    if g.direction == "fwd":
+      want = (fwd8, fwd8)
+    else:
+      want = tuple(sorted((bwd8, fwd8)))
+    got = (g.lhs_dtype, g.rhs_dtype) if g.direction == "fwd" else tuple(
+        sorted((g.lhs_dtype, g.rhs_dtype)))
+    if got != want:
+      found.append(f"fp8 {g.direction} GEMM operands {sig}, expected "
+                   f"{' x '.join(_short(w) for w in want)} (recipe {recipe.name}): {where}")
+  if fwd8 is not None:
+    for direction in ("fwd", "bwd"):
+      if not n_fp8[direction]:
+        found.append(f"recipe {recipe.name} has fp8 but the program has no {direction} fp8 "
+                     "GEMM")
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredProgram:
+  """A program lowered for one platform: its StableHLO, GEMMs and custom calls.
+
+  Attributes:
+    platform: "cuda", "rocm", "tpu" or "cpu".
+    text: the StableHLO module (with locations).
+    gemms: `lowered_gemms(text)`.
+    custom_calls: `custom_calls(text)`.
+  """
+
+  platform: str
+  text: str
+  gemms: tuple[LoweredGemm, ...]
+  custom_calls: tuple[LoweredCustomCall, ...]
+
+  def custom_call_targets(self) -> dict[str, int]:
+    """{target: occurrences}, e.g. {precision.rounding.TRITON_CUSTOM_CALL: 2}."""
+    return dict(collections.Counter(c.target for c in self.custom_calls))
+
+  def gemm_signatures(self, direction: str | None = None) -> collections.Counter:
+    """Counter of (lhs, rhs, out) short dtype names over GEMMs (optionally "fwd"/"bwd")."""
+    return collections.Counter(g.signature() for g in self.gemms
+                               if direction in (None, g.direction))
+
+  def violations(self, recipe: Recipe | str) -> list[str]:
+    """`gemm_violations(self.gemms, recipe)`."""
+    return gemm_violations(self.gemms, recipe)
+
+  def check(self, recipe: Recipe | str) -> "LoweredProgram":
+    """Raises PrecisionViolation (a ValueError) listing every GEMM that contradicts
+    `recipe` (see `gemm_violations`); returns self."""
+    found = self.violations(recipe)
+    if found:
+      raise PrecisionViolation(found)
+    return self
+
+
+PLATFORMS = ("cuda", "rocm", "tpu", "cpu")
+
+
+def lower(fn: Callable[..., Any], *args, platform: str = "cuda",
+          allow_custom_calls: Sequence[str] = (), **kwargs) -> LoweredProgram:
+  """Lowers `fn(*args, **kwargs)` for `platform` on this machine (no device of that kind
+  needed; nothing runs) and reads its GEMMs and custom calls.
+
+  Args:
+    fn: a function or a `jax.jit` function (donation and static arguments of the latter
+      are kept). Arguments may be arrays or `jax.ShapeDtypeStruct`s.
+    platform: "cuda" (default), "rocm", "tpu" or "cpu".
+    allow_custom_calls: custom-call targets without JAX's serialisation guarantee to
+      accept, e.g. ``[precision.rounding.TRITON_CUSTOM_CALL]`` for a program with Pallas
+      kernels lowered for a GPU (`jax.export.DisabledSafetyCheck.custom_call`).
+
+  Returns:
+    A LoweredProgram.
+
+  Raises:
+    ValueError: an unknown platform; `jax.export`'s own error for a custom call not in
+      `allow_custom_calls` or a lowering the platform does not support.
+
+  Examples:
+    >>> prog = lower(jax.value_and_grad(loss), params, batch, platform="cuda")
+    >>> prog.check("bf16_mixed")
+  """
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform={platform!r}; accepted: {', '.join(PLATFORMS)}")
+  jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in allow_custom_calls]
+  exported = jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(
+      *args, **kwargs)
+  text = exported.mlir_module()
+  return LoweredProgram(platform, text, lowered_gemms(text), custom_calls(text))

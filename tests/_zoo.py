@@ -1,0 +1,360 @@
+"""A zoo of small models written the way other people write them, not the way we would.
+
+None of these models knows about `precision`: biases everywhere, a subclassed nnx.Embed
+with its own attribute and __call__, attention written with jnp.einsum and jax.nn.softmax,
+a hand-written RMSNorm, a tanh logit soft-cap, tied embeddings (`attend`), Flax's own
+nnx.MultiHeadAttention / nnx.Einsum / nnx.BatchNorm and Linen's
+MultiHeadDotProductAttention / Conv / BatchNorm, a plain-JAX model (no Flax) with
+lax.scan over layers and jax.checkpoint, and a model under an explicit-sharding mesh with
+`out_sharding=` annotations.
+
+Each case builds the same model (same seed) either plain (`recipe=None`: no library at all)
+or under a recipe applied from outside, the one-line way a user would:
+`precision.flax.apply_recipe(model, recipe)` (NNX), `precision.flax.linen_policy(...)`
+(Linen) or `precision.autocast(fn, recipe)` (plain JAX). `Built.loss(params)` returns
+(f32 loss, updated non-param state or None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import precision as mp
+
+VOCAB, T, B, D, HEADS = 64, 8, 4, 32, 4
+
+
+@contextlib.contextmanager
+def user_code(extra=None):
+  """What the zoo's code assumes (JAX's defaults: standard dtype promotion, implicit rank
+  broadcasting), whatever the test session sets; plus `extra` (e.g. a linen_policy)."""
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), (
+      extra or contextlib.nullcontext()):
+    yield
+
+
+@dataclasses.dataclass
+class Built:
+  loss: Callable[[Any], tuple[jax.Array, Any]]   # params -> (loss, new state or None)
+  params: Any
+  context: Callable[[], Any] = user_code  # entered around tracing
+
+
+def _tokens(seed=1, batch=B):
+  return jax.random.randint(jax.random.key(seed), (batch, T + 1), 0, VOCAB)
+
+
+def _xent(logits, labels):
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+# ----------------------------------------------------------------------------- NNX models
+
+
+class ScaledEmbed(nnx.Embed):
+  """Gemma-style embedding: a subclass with an attribute of its own and its own __call__
+  (scales by sqrt(d)); `attend` (inherited) ties the output head to it."""
+
+  def __init__(self, num_embeddings, features, *, rngs, dtype=None):
+    super().__init__(num_embeddings, features, rngs=rngs,
+                     **({} if dtype is None else dict(dtype=dtype)))
+    self.embed_dim = features
+
+  def __call__(self, tokens):
+    return super().__call__(tokens) * jnp.sqrt(float(self.embed_dim))
+
+
+class MyRMSNorm(nnx.Module):
+  """RMSNorm the way model code writes it: jnp ops, a (1 + scale) gain. With a `dtype`
+  (mixed precision by hand) the statistics run in f32 and the result is cast back."""
+
+  def __init__(self, dim, eps=1e-6, dtype=None):
+    self.scale = nnx.Param(jnp.zeros((dim,)))
+    self.eps, self.dtype = eps, dtype
+
+  def __call__(self, x):
+    if self.dtype is not None:
+      x = x.astype(jnp.float32)  # f32 statistics
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(var + self.eps) * (1.0 + self.scale[...])
+    return y if self.dtype is None else y.astype(self.dtype)
+
+
+class EinsumBlock(nnx.Module):
+  """Attention with Flax's nnx.Einsum projections (with biases), jnp.einsum scores and
+  jax.nn.softmax; an MLP of raw param matmuls with biases.
+
+  `dtype=None` is the model as written; `dtype=jnp.bfloat16` is the same model with mixed
+  precision written by hand, the way Flax users do it today: Flax layers given
+  `dtype`/`param_dtype`, einsums with `preferred_element_type=f32`, params cast at use, the
+  softmax and norms upcast to f32 explicitly.
+  """
+
+  def __init__(self, *, rngs, dtype=None, d=D, heads=HEADS):
+    k = d // heads
+    self.dtype, self.d = dtype, d
+    self.norm1, self.norm2 = MyRMSNorm(d, dtype=dtype), MyRMSNorm(d, dtype=dtype)
+    lkw = {} if dtype is None else dict(dtype=dtype, param_dtype=jnp.float32)
+    self.qkv = nnx.Einsum("btd,sdhk->sbthk", (3, d, heads, k), (3, 1, 1, heads, k),
+                          rngs=rngs, **lkw)
+    self.out = nnx.Linear(d, d, rngs=rngs, **lkw)
+    init = nnx.initializers.lecun_normal()
+    self.w1 = nnx.Param(init(rngs.params(), (d, 4 * d)))
+    self.b1 = nnx.Param(jnp.zeros((4 * d,)))
+    self.w2 = nnx.Param(init(rngs.params(), (4 * d, d)))
+    self.b2 = nnx.Param(jnp.zeros((d,)))
+
+  def _p(self, p):
+    return p[...] if self.dtype is None else p[...].astype(self.dtype)
+
+  def __call__(self, x):
+    b, t, _ = x.shape
+    dt = self.dtype
+    q, k, v = self.qkv(self.norm1(x))
+    if dt is None:
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    else:  # f32 scores for the softmax
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                          preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, -1e9)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dt is not None:
+      probs = probs.astype(dt)
+    att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, self.d)
+    x = x + self.out(att)
+    h = jax.nn.gelu(self.norm2(x) @ self._p(self.w1) + self._p(self.b1))
+    return x + h @ self._p(self.w2) + self._p(self.b2)
+
+
+class GemmaStyleLM(nnx.Module):
+  """Scaled (subclassed) embedding, einsum attention blocks, a custom RMSNorm, tied
+  output head (`attend`) and a tanh logit soft-cap. `dtype`: see EinsumBlock."""
+
+  def __init__(self, *, rngs, n_layers=2, cap=30.0, dtype=None, vocab=VOCAB, d=D,
+               heads=HEADS):
+    self.embed = ScaledEmbed(vocab, d, rngs=rngs, dtype=dtype)
+    self.blocks = nnx.List([EinsumBlock(rngs=rngs, dtype=dtype, d=d, heads=heads)
+                            for _ in range(n_layers)])
+    self.final_norm = MyRMSNorm(d, dtype=dtype)
+    self.cap, self.dtype = cap, dtype
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    logits = self.embed.attend(self.final_norm(x))
+    if self.dtype is not None:
+      logits = logits.astype(jnp.float32)  # the soft-cap in f32
+    return self.cap * jnp.tanh(logits / self.cap)
+
+
+class BiasMLP(nnx.Module):
+  """Flax defaults everywhere: Linear with biases, LayerNorm, BatchNorm (train mode)."""
+
+  def __init__(self, *, rngs):
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.bn = nnx.BatchNorm(32, use_running_average=False, rngs=rngs)
+    self.norm = nnx.LayerNorm(32, rngs=rngs)
+    self.down = nnx.Linear(32, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.bn(self.up(x)))
+    return self.down(jax.nn.gelu(self.norm(h)))
+
+
+class MHAModel(nnx.Module):
+  """Flax's own nnx.MultiHeadAttention (self-attention, causal mask) and a Linear head."""
+
+  def __init__(self, *, rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=rngs)
+    self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = x + self.attn(x, mask=nnx.make_causal_mask(tokens))
+    return self.head(x)
+
+
+# ----------------------------------------------------------------------------- Linen models
+
+
+class LinenDecoder(nn.Module):
+  """A Linen decoder LM: Embed (tied head via attend), MultiHeadDotProductAttention with a
+  causal mask, LayerNorm, Dense MLP with biases."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(VOCAB, D)
+    x = embed(tokens)
+    for _ in range(2):
+      h = nn.LayerNorm()(x)
+      h = nn.MultiHeadDotProductAttention(num_heads=HEADS)(
+          h, mask=nn.make_causal_mask(tokens))
+      x = x + h
+      h = nn.Dense(4 * D)(nn.LayerNorm()(x))
+      x = x + nn.Dense(D)(nn.gelu(h))
+    return embed.attend(nn.LayerNorm()(x))
+
+
+class LinenResNet(nn.Module):
+  """Conv + BatchNorm residual blocks (batch_stats), average pool, Dense classifier."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3), use_bias=False)(x)
+    for _ in range(2):
+      y = nn.Conv(8, (3, 3), use_bias=False)(x)
+      y = nn.relu(nn.BatchNorm(use_running_average=not train)(y))
+      y = nn.Conv(8, (3, 3), use_bias=False)(y)
+      x = nn.relu(x + nn.BatchNorm(use_running_average=not train)(y))
+    x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+# ----------------------------------------------------------------------------- plain JAX
+
+
+def plain_init(key, n_layers=3, d=D):
+  keys = jax.random.split(key, 3)
+  return {
+      "w_in": jax.random.normal(keys[0], (16, d)) / 4.0,
+      "layers": {"w": jax.random.normal(keys[1], (n_layers, d, d)) / math.sqrt(d),
+                 "b": jnp.full((n_layers, d), 0.01)},
+      "w_out": jax.random.normal(keys[2], (d, 10)) / math.sqrt(d),
+  }
+
+
+def plain_loss(params, x, labels):
+  """No Flax: a stack of residual layers run by lax.scan, each rematerialised."""
+  h = x @ params["w_in"]
+
+  @jax.checkpoint
+  def layer(h, wb):
+    w, b = wb
+    return h + jax.nn.silu(h @ w + b), None
+
+  h, _ = jax.lax.scan(layer, h, (params["layers"]["w"], params["layers"]["b"]))
+  return _xent(h @ params["w_out"], labels)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _nnx_build(make, loss_of, recipe):
+  with user_code():
+    model = make()
+  if recipe is not None:
+    mp.flax.apply_recipe(model, recipe)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    return loss_of(m), nnx.state(m, nnx.BatchStat) or None
+
+  return Built(loss, params)
+
+
+def _linen_context(recipe):
+  if recipe is None:
+    return contextlib.nullcontext()
+  r = mp.get_recipe(recipe)
+  return mp.flax.linen_policy(r.policy, fp32_ops=r.fp32_ops)
+
+
+def _linen_build(model, x, recipe, loss_of, mutable=()):
+  with user_code(_linen_context(recipe)):
+    variables = model.init(jax.random.key(0), x)
+  params = variables["params"]
+  rest = {k: v for k, v in variables.items() if k != "params"}
+
+  def loss(params):
+    with _linen_context(recipe):
+      out = model.apply({"params": params, **rest}, x, mutable=list(mutable) or False)
+    y, new = out if mutable else (out, None)
+    return loss_of(y), new
+
+  return Built(loss, params, lambda: user_code(_linen_context(recipe)))
+
+
+def gemma_style(recipe):
+  tokens = _tokens()
+  return _nnx_build(lambda: GemmaStyleLM(rngs=nnx.Rngs(0)),
+                    lambda m: _xent(m(tokens[:, :-1]), tokens[:, 1:]), recipe)
+
+
+def bias_mlp(recipe):
+  x = jax.random.normal(jax.random.key(2), (B, 16))
+  y = jax.random.normal(jax.random.key(3), (B, 8))
+  return _nnx_build(lambda: BiasMLP(rngs=nnx.Rngs(0)),
+                    lambda m: jnp.mean((m(x) - y) ** 2), recipe)
+
+
+def nnx_mha(recipe):
+  tokens = _tokens()
+  return _nnx_build(lambda: MHAModel(rngs=nnx.Rngs(0)),
+                    lambda m: _xent(m(tokens[:, :-1]), tokens[:, 1:]), recipe)
+
+
+def linen_decoder(recipe):
+  tokens = _tokens()
+  return _linen_build(LinenDecoder(), tokens[:, :-1], recipe,
+                      lambda logits: _xent(logits, tokens[:, 1:]))
+
+
+def linen_resnet(recipe):
+  x = jax.random.normal(jax.random.key(4), (B, 8, 8, 3))
+  labels = jax.random.randint(jax.random.key(5), (B,), 0, 10)
+  return _linen_build(LinenResNet(), x, recipe, lambda logits: _xent(logits, labels),
+                      mutable=("batch_stats",))
+
+
+def plain_jax(recipe):
+  x = jax.random.normal(jax.random.key(6), (B, 16))
+  labels = jax.random.randint(jax.random.key(7), (B,), 0, 10)
+  fn = plain_loss if recipe is None else mp.autocast(plain_loss, recipe)
+  return Built(lambda p: (fn(p, x, labels), None), plain_init(jax.random.key(0)))
+
+
+CASES: dict[str, Callable[[str | None], Built]] = {
+    "gemma_style_nnx": gemma_style,
+    "bias_batchnorm_mlp_nnx": bias_mlp,
+    "multihead_attention_nnx": nnx_mha,
+    "decoder_linen": linen_decoder,
+    "resnet_batchnorm_linen": linen_resnet,
+    "plain_jax_scan_remat": plain_jax,
+}
+
+
+# ----------------------------------------------------------------------------- sharded
+
+
+class ShardedLM(nnx.Module):
+  """An LM written for explicit sharding (jax.set_mesh with Explicit axes): the batch is
+  sharded over "data" and every lookup and GEMM says where its result lives."""
+
+  def __init__(self, *, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.w = nnx.Param(init(rngs.params(), (D, 2 * D)))
+    self.b = nnx.Param(jnp.zeros((2 * D,)))
+    self.norm = nnx.LayerNorm(2 * D, rngs=rngs)
+    self.head = nnx.Linear(2 * D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    batch = jax.sharding.PartitionSpec("data", None, None)
+    x = self.embed(tokens, out_sharding=batch)
+    h = jnp.einsum("btd,de->bte", x, self.w[...], out_sharding=batch) + self.b[...]
+    h = self.norm(jax.nn.gelu(h))
+    return self.head(h, out_sharding=batch)

@@ -1,0 +1,104 @@
+"""Conformance of the policy mechanism on models we did not write (tests/_zoo.py).
+
+For every model of the zoo, unmodified, with the recipe applied from outside in one line:
+  * fp32 is bit-identical to the plain model: loss, every gradient, updated batch_stats;
+  * bf16_mixed: every GEMM / convolution of the forward AND backward pass is
+    bf16 x bf16 -> f32 in the program lowered for CUDA (read from its StableHLO; the CPU
+    branch of the policy GEMMs upcasts by design, so dtypes are never read from a CPU run);
+  * bf16_mixed: the f32 ops (softmax, norms, exp/log/tanh/logistic, sums) compute in f32,
+    `check(policy)` passes on the differentiated program, and the loss is within 1e-2
+    (relative) of fp32.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import precision as mp
+from precision.audit import lower
+import _zoo
+
+MIXED = "p=f32,c=bf16,o=f32"
+
+
+def lowered_gemms(fn, *args) -> list[tuple[str, str, str, str]]:
+  """(op, lhs, rhs, result) short dtype names of every dot_general / convolution of `fn`
+  lowered for CUDA (precision.audit.lower: jax.export works on a CPU-only machine)."""
+  return [(g.op, *g.signature()) for g in lower(fn, *args, platform="cuda").gemms]
+
+
+@functools.lru_cache(maxsize=None)
+def built(name, recipe):
+  return _zoo.CASES[name](recipe)
+
+
+@functools.lru_cache(maxsize=None)
+def value_and_grads(name, recipe):
+  b = built(name, recipe)
+  with b.context():
+    (loss, aux), grads = jax.jit(jax.value_and_grad(b.loss, has_aux=True))(b.params)
+  return loss, aux, grads
+
+
+def _bitwise_equal(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(
+      x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+      for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("name", list(_zoo.CASES))
+def test_fp32_recipe_bit_identical_to_plain_model(name):
+  plain, lib = value_and_grads(name, None), value_and_grads(name, "fp32")
+  assert np.array_equal(np.asarray(plain[0]), np.asarray(lib[0])), (plain[0], lib[0])
+  assert _bitwise_equal(plain[2], lib[2])   # every gradient
+  assert _bitwise_equal(plain[1], lib[1])   # updated batch_stats (or None)
+
+
+@pytest.mark.parametrize("name", list(_zoo.CASES))
+def test_bf16_every_gemm_forward_and_backward_is_bf16_f32_on_cuda(name):
+  b = built(name, "bf16_mixed")
+  with b.context():
+    prog = lower(jax.value_and_grad(b.loss, has_aux=True), b.params, platform="cuda")
+  gemms = [(g.op, *g.signature()) for g in prog.gemms]
+  assert gemms, "no GEMM found in the lowered program"
+  wrong = [g for g in gemms if g[1:] != ("bf16", "bf16", "f32")]
+  assert not wrong, f"{len(wrong)} of {len(gemms)} GEMMs are not bf16 x bf16 -> f32: {wrong}"
+  prog.check("bf16_mixed")
+  # Forward and backward GEMMs both there (the lowering keeps JAX's name stacks).
+  assert prog.gemm_signatures("fwd") and prog.gemm_signatures("bwd")
+
+
+@pytest.mark.parametrize("name", list(_zoo.CASES))
+def test_bf16_f32_ops_check_and_loss(name):
+  b = built(name, "bf16_mixed")
+  with b.context():
+    report = mp.audit(jax.grad(lambda p: b.loss(p)[0]), b.params)
+  report.check(MIXED)
+  f32_prims = mp._autocast._api.AutocastSpec.make("bf16_mixed").fp32_primitives
+  below = [o for o in report.ops if o.primitive in f32_prims and o.dtype != "float32"]
+  assert not below, below
+  # Every model exercises some of them (softmax, norms, activations, the loss).
+  assert any(o.primitive in f32_prims for o in report.ops)
+  ref, got = value_and_grads(name, None)[0], value_and_grads(name, "bf16_mixed")[0]
+  assert got.dtype == jnp.float32
+  assert abs(float(got) - float(ref)) <= 1e-2 * abs(float(ref)), (float(ref), float(got))
+  # Gradients keep the param dtype (f32 params: f32 gradients).
+  grads = value_and_grads(name, "bf16_mixed")[2]
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+def test_lowered_gemm_reader_sees_a_wrong_policy():
+  """The reader is able to fail: a GEMM left in f32 and one accumulating in bf16 show up."""
+  x = jnp.ones((4, 8), jnp.float32)
+  w = jnp.ones((8, 8), jnp.float32)
+  f32_gemm = lowered_gemms(lambda x, w: x @ w, x, w)
+  assert f32_gemm == [("dot_general", "f32", "f32", "f32")]
+  bf16_acc = lowered_gemms(lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), x, w)
+  assert bf16_acc == [("dot_general", "bf16", "bf16", "bf16")]
+  # Under the policy: forward and both backward GEMMs.
+  f = mp.autocast(lambda x, w: jnp.sum(x @ w), MIXED)
+  assert lowered_gemms(jax.value_and_grad(f, (0, 1)), x, w) == [("dot_general", "bf16", "bf16", "f32")] * 3
