@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 import sys
 import time
 from typing import Any
@@ -54,10 +56,20 @@ class TrainConfig:
     eval_every: validation BPB every this many steps (and at the start and end; 0: only
       at the end). eval_batches: fixed validation batches of size batch x seq.
     ckpt_dir: checkpoint directory (None: no checkpoints); save_every: steps between
-      saves (0: only at the end); keep: checkpoints kept; resume: continue from the latest
-      checkpoint in ckpt_dir (a different recipe there is converted).
+      saves (0: only at the end); keep: checkpoints kept. The directory belongs to one
+      run (recipe, model config, seed): a fresh run refuses a directory holding
+      checkpoints, and a run with another recipe, model or seed refuses one owned by
+      another run.
+    resume: continue from the newest intact checkpoint in ckpt_dir; with nothing to
+      resume the run fails (`NothingToResumeError`) unless `start_if_nothing`.
+    start_if_nothing: with `resume`, start fresh when ckpt_dir holds no checkpoint.
+    convert: with `resume`, continue a checkpoint of another recipe or seed (the state is
+      converted from its f32 master; the directory then belongs to this run). Without
+      it, resuming another run's checkpoint fails.
     stop_after: stop once this many steps are done (the schedule still spans `steps`),
       as an interrupted run does.
+    max_nonfinite_steps: stop with `DivergedError` once this many consecutive steps had
+      non-finite gradients (each is skipped, so the run would only mark time).
     out: JSONL file receiving one line per step (None: no file).
     corpus_bytes: cap of the embedded corpus (experiments.data).
     progress: tqdm progress bar on stderr.
@@ -82,26 +94,91 @@ class TrainConfig:
   save_every: int = 0
   keep: int = 3
   resume: bool = False
+  start_if_nothing: bool = False
+  convert: bool = False
   stop_after: int | None = None
+  max_nonfinite_steps: int = 50
   out: str | None = None
   corpus_bytes: int = data_lib.DEFAULT_MAX_BYTES
   progress: bool = True
 
   def __post_init__(self):
-    for name in ("steps", "batch", "eval_batches", "keep"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}; must be >= 1")
+    def integer(name, lo, hi=None, optional=False):
+      v = getattr(self, name)
+      if optional and v is None:
+        return
+      if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo or (
+          hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"TrainConfig.{name}={v!r}; accepted: an integer {rng}")
+
+    def real(name, lo_open, optional=False):
+      v = getattr(self, name)
+      if optional and v is None:
+        return
+      if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
+          or not v > lo_open):
+        raise ConfigError(f"TrainConfig.{name}={v!r}; accepted: a finite number > {lo_open}")
+
+    for name in ("steps", "batch", "eval_batches", "keep", "max_nonfinite_steps",
+                 "corpus_bytes"):
+      integer(name, 1)
     for name in ("eval_every", "save_every"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}; must be >= 0")
-    if not self.lr > 0:
-      raise ValueError(f"TrainConfig.lr={self.lr!r}; must be > 0")
+      integer(name, 0)
+    integer("seq", 1, optional=True)
+    integer("warmup", 0, self.steps, optional=True)
+    integer("stop_after", 1, self.steps, optional=True)
+    integer("seed", 0, 2 ** 32 - 1)
+    real("lr", 0.0)
+    real("grad_clip", 0.0, optional=True)
+    wd = self.weight_decay
+    if isinstance(wd, bool) or not isinstance(wd, numbers.Real) or not (
+        math.isfinite(wd) and wd >= 0):
+      raise ConfigError(f"TrainConfig.weight_decay={wd!r}; accepted: a finite number >= 0")
+    if not (isinstance(self.final_lr_ratio, numbers.Real) and 0 <= self.final_lr_ratio <= 1):
+      raise ConfigError(f"TrainConfig.final_lr_ratio={self.final_lr_ratio!r}; accepted: a "
+                        "number in [0, 1]")
+    for name in ("b1", "b2"):
+      v = getattr(self, name)
+      if not (isinstance(v, numbers.Real) and 0 <= v < 1):
+        raise ConfigError(f"TrainConfig.{name}={v!r}; accepted: a number in [0, 1)")
+    try:
+      mp.get_recipe(self.recipe)
+      gpt_lib.get_config(self.model)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
     if self.resume and not self.ckpt_dir:
-      raise ValueError("TrainConfig.resume=True needs ckpt_dir")
+      raise ConfigError("TrainConfig.resume=True needs ckpt_dir")
+    if (self.start_if_nothing or self.convert) and not self.resume:
+      raise ConfigError("TrainConfig.start_if_nothing / convert apply to a resume; set "
+                        "resume=True")
 
   @property
   def warmup_steps(self) -> int:
     return self.warmup if self.warmup is not None else max(1, min(100, self.steps // 10))
+
+
+class TrainingError(RuntimeError):
+  """A run that cannot start or continue; the message says why and what to do."""
+
+
+class ConfigError(TrainingError, ValueError):
+  """A TrainConfig value out of range (the CLI reports it as a usage error)."""
+
+
+class NothingToResumeError(TrainingError):
+  """resume=True, but the checkpoint directory holds no checkpoint."""
+
+
+class DivergedError(TrainingError):
+  """max_nonfinite_steps consecutive steps had non-finite gradients.
+
+  `summary` is the run's summary up to the stop (status "diverged").
+  """
+
+  def __init__(self, message: str, summary: dict[str, Any]):
+    super().__init__(message)
+    self.summary = summary
 
 
 def inner_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -260,25 +337,137 @@ def _truncate_log(path: str, last_step: int) -> None:
     f.writelines(kept)
 
 
+def _saved_seed(restored: ckpt_lib.Restored) -> int | None:
+  """The seed of a restored step (older steps kept it in the train config only)."""
+  if restored.seed is not None:
+    return int(restored.seed)
+  seed = ((restored.extra or {}).get("train_config") or {}).get("seed")
+  return None if seed is None else int(seed)
+
+
+def _open_checkpoints(cfg: TrainConfig, recipe: mp.Recipe, model_config: dict
+                      ) -> ckpt_lib.Checkpointer | None:
+  """The run's Checkpointer, its lock taken and its ownership checked: before any work.
+
+  Raises:
+    CheckpointLockedError (another process writes the directory), CheckpointOwnershipError
+    (it belongs to another run, or a fresh run would overwrite checkpoints),
+    NothingToResumeError, OSError (not writable).
+  """
+  if not cfg.ckpt_dir:
+    return None
+  ckpt = ckpt_lib.Checkpointer(cfg.ckpt_dir, keep=cfg.keep)
+  try:
+    ckpt.acquire()
+    record = ckpt.run_record()
+    steps = ckpt.steps()
+    owner = (f"run {record.run_id} (recipe {record.recipe.name}, seed {record.seed})"
+             if record else "an earlier run")
+    if not cfg.resume:
+      if steps:
+        raise ckpt_lib.CheckpointOwnershipError(
+            f"{ckpt.directory} holds the checkpoints (steps {steps}) of {owner}; a fresh "
+            "run would overwrite them. Pass --resume to continue that run, or use another "
+            "--ckpt-dir")
+      ckpt.claim(recipe=recipe, model_config=model_config, seed=cfg.seed)
+      return ckpt
+    if not steps and not cfg.start_if_nothing:
+      found = ckpt.problems() + [f"'{n}' (an unfinished save, removed)" for n in ckpt.cleaned]
+      raise NothingToResumeError(
+          f"--resume: nothing to resume in {ckpt.directory}: no complete checkpoint"
+          + (f" (found {', '.join(found)})" if found else "")
+          + "; pass --resume-or-start to start a fresh run there")
+    if record is not None and not cfg.convert:
+      diff = record.difference(recipe, model_config, cfg.seed)
+      if diff:
+        raise ckpt_lib.CheckpointOwnershipError(
+            f"{ckpt.directory} belongs to {owner}, not to this run: {diff}. Pass --convert "
+            "to continue that run's state under this run's recipe and seed, or use another "
+            "--ckpt-dir")
+    if not steps:
+      ckpt.claim(recipe=recipe, model_config=model_config, seed=cfg.seed)
+    return ckpt
+  except BaseException:
+    ckpt.close()
+    raise
+
+
+def _resume(cfg: TrainConfig, run: Run, ckpt: ckpt_lib.Checkpointer,
+            state: ckpt_lib.TrainState) -> tuple[Any, int, tuple[str, ...], Any, tuple]:
+  """(state, start step, conversion notes, sampler, skipped damaged steps) of a resume."""
+  model_config = run.model_config.to_dict()
+  restored = ckpt.restore(state, recipe=run.recipe, model_config=model_config,
+                          optimizer_for=optimizer_for(cfg))
+  seed = _saved_seed(restored)
+  diffs = [d for d in (
+      None if restored.saved_recipe == run.recipe else
+      f"recipe {restored.saved_recipe.name} -> {run.recipe.name}",
+      None if seed is None or seed == cfg.seed else f"seed {seed} -> {cfg.seed}") if d]
+  if diffs and not cfg.convert:
+    raise ckpt_lib.CheckpointOwnershipError(
+        f"{ckpt.directory} step {restored.step} belongs to another run ({'; '.join(diffs)}). "
+        "Pass --convert to continue it under this run's recipe and seed, or use another "
+        "--ckpt-dir")
+  if diffs:
+    ckpt.adopt(recipe=run.recipe, model_config=model_config, seed=cfg.seed,
+               reason=f"resumed step {restored.step} with conversion: {'; '.join(diffs)}")
+  else:
+    ckpt.claim(recipe=run.recipe, model_config=model_config, seed=cfg.seed)
+  sampler = data_lib.SamplerState(**restored.data)
+  if seed is not None and seed != cfg.seed:
+    # The data order follows this run's seed from here on (the position is kept).
+    sampler = sampler._replace(seed=cfg.seed)
+  return restored.state, restored.step, restored.converted, sampler, restored.skipped
+
+
+def _finite(x) -> bool:
+  return x is not None and math.isfinite(x)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
   """Trains one run; returns the summary dict (per-step records under "history").
 
-  Summary keys: recipe, model, params, steps, start_step, batch, seq, final_loss,
+  Summary keys: recipe, model, params, steps, start_step, batch, seq, status ("ok" when
+  the final loss and validation BPB are finite, else "diverged"), final_loss,
   final_val_bpb, val_bpb ([[step, bpb], ...]), tokens_per_s (median over timed steps),
   step_time_s, compile_s, memory (compiled step: argument/output/alias/temp bytes and
   argument_plus_temp), skipped_steps, nonfinite_steps, loss_scale, fingerprint,
-  converted (notes of a cross-recipe resume), corpus, history.
+  converted (notes of a cross-recipe resume), skipped_checkpoints (damaged newer steps a
+  resume passed over), corpus, history.
+
+  Everything that can refuse the run (the checkpoint directory's lock and owner, nothing
+  to resume, the sequence length against the corpus) is checked before the model is
+  built.
+
+  Raises:
+    DivergedError after `max_nonfinite_steps` consecutive non-finite steps (its `summary`
+    holds the run so far); NothingToResumeError; ConfigError; the checkpoint errors of
+    `precision.checkpoint` (locked, owned by another run, no intact step).
   """
+  recipe = mp.get_recipe(cfg.recipe)
+  model_config = gpt_lib.get_config(cfg.model)
+  seq = cfg.seq or model_config.seq_len
   corpus = data_lib.load_corpus(cfg.corpus_bytes)
+  for split, what in ((corpus.train, "training"), (corpus.validation, "validation")):
+    if split.size < seq + 2:
+      raise ConfigError(f"seq={seq}: the {what} split has {split.size} bytes; accepted: "
+                        f"1 <= seq <= {split.size - 2}")
+  ckpt = _open_checkpoints(cfg, recipe, model_config.to_dict())
+  try:
+    return _train(cfg, corpus, ckpt)
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+
+
+def _train(cfg: TrainConfig, corpus, ckpt) -> dict[str, Any]:
   run, state = init_state(cfg)
   sampler = data_lib.init_sampler(cfg.seed)
-  start, converted = 0, ()
-  ckpt = ckpt_lib.Checkpointer(cfg.ckpt_dir, keep=cfg.keep) if cfg.ckpt_dir else None
-  if cfg.resume and ckpt is not None and ckpt.latest_step() is not None:
-    restored = ckpt.restore(state, recipe=run.recipe, model_config=run.model_config.to_dict(),
-                            optimizer_for=optimizer_for(cfg))
-    state, start, converted = restored.state, restored.step, restored.converted
-    sampler = data_lib.SamplerState(**restored.data)
+  start, converted, skipped_ckpts = 0, (), ()
+  if cfg.resume and ckpt.steps():
+    state, start, converted, sampler, skipped_ckpts = _resume(cfg, run, ckpt, state)
+  elif ckpt is not None:
+    ckpt.claim(recipe=run.recipe, model_config=run.model_config.to_dict(), seed=cfg.seed)
   val_tokens = data_lib.validation_batches(corpus.validation, cfg.eval_batches, cfg.batch,
                                            run.seq)
   tokens0, _ = data_lib.sample_batch(corpus.train, sampler, cfg.batch, run.seq)
@@ -306,6 +495,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     val_curve.append([0, evaluate(run, state, val_tokens)])
     emit({"step": 0, "val_bpb": val_curve[-1][1]})
   metrics = None
+  diverged = None
   try:
     for step in range(start, last):
       tokens, sampler = data_lib.sample_batch(corpus.train, sampler, cfg.batch, run.seq)
@@ -316,6 +506,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
       done = step + 1
       rec = {"step": done, "lr": float(run.schedule(step)), **metrics,
              "tokens_per_s": cfg.batch * run.seq / dt}
+      try:
+        # One int32 read of the state the step just returned (already on the host path).
+        mp.optim.check_nonfinite_streak(state.opt_state, cfg.max_nonfinite_steps)
+      except mp.optim.NonFiniteStreakError as e:
+        emit(rec)
+        diverged = (f"step {done}: {e}; stopped (max_nonfinite_steps="
+                    f"{cfg.max_nonfinite_steps}); no checkpoint written for it")
+        break
       if (cfg.eval_every and done % cfg.eval_every == 0) or done == last:
         rec["val_bpb"] = evaluate(run, state, val_tokens)
         val_curve.append([done, rec["val_bpb"]])
@@ -325,29 +523,38 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
       if ckpt is not None and ((cfg.save_every and done % cfg.save_every == 0) or done == last):
         ckpt.save(done, state, recipe=run.recipe, model_config=run.model_config.to_dict(),
-                  data=sampler, extra={"train_config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                  seed=cfg.seed, data=sampler,
+                  extra={"train_config": {k: v for k, v in dataclasses.asdict(cfg).items()
                                           if k != "model"}})
   finally:
     if bar is not None:
       bar.close()
     if out is not None:
       out.close()
-    if ckpt is not None:
-      ckpt.close()
+  if not val_curve and diverged is None:
+    val_curve.append([max(start, last), evaluate(run, state, val_tokens)])
   timed = times[1:] or times
   step_time = float(np.median(timed)) if timed else float("nan")
-  return {
+  final_loss = metrics["loss"] if metrics else None
+  final_bpb = val_curve[-1][1] if val_curve else None
+  ok = diverged is None and all(_finite(v) for v in (final_loss, final_bpb) if v is not None)
+  summary = {
       "recipe": run.recipe.name,
       "model": cfg.model if isinstance(cfg.model, str) else run.model_config.to_dict(),
       "params": int(sum(x.size for x in jax.tree.leaves(state.params))),
-      "steps": last, "start_step": start, "batch": cfg.batch, "seq": run.seq,
-      "final_loss": metrics["loss"] if metrics else None,
-      "final_val_bpb": val_curve[-1][1] if val_curve else None, "val_bpb": val_curve,
+      "steps": len(times) + start if diverged else last, "start_step": start,
+      "batch": cfg.batch, "seq": run.seq, "status": "ok" if ok else "diverged",
+      "final_loss": final_loss,
+      "final_val_bpb": final_bpb, "val_bpb": val_curve,
       "tokens_per_s": cfg.batch * run.seq / step_time if timed else None,
-      "step_time_s": step_time, "compile_s": compile_s, "memory": memory,
+      "step_time_s": step_time if timed else None, "compile_s": compile_s, "memory": memory,
       "skipped_steps": metrics["skipped_steps"] if metrics else 0,
       "nonfinite_steps": metrics["nonfinite_steps"] if metrics else 0,
       "loss_scale": metrics["loss_scale"] if metrics else None,
       "fingerprint": fingerprint(state), "converted": list(converted),
+      "skipped_checkpoints": list(skipped_ckpts),
       "corpus": corpus.describe(), "history": history,
   }
+  if diverged is not None:
+    raise DivergedError(diverged, summary)
+  return summary

@@ -15,6 +15,9 @@ and, by reading the wheels, jax 0.11.2 / 0.12.0.1 and flax 0.12.12.
 | jax._src.xla_bridge.backends_are_initialized      | the faithful-rounding switch refuses late   |
 |                                                   | enabling                                    |
 | flax.linen.linear._Conv                           | the base of Linen's Conv and ConvLocal      |
+| orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop | a failed checkpoint read drains |
+|                                                   | its TensorStore reads before the loop closes |
+|                                                   | (orbax-checkpoint 0.12.8, the newest in range) |
 
 Jaxpr equations are public types (jax.extend.core), but three of their protocols changed
 across releases and are bridged here: how an equation is bound again (`bind_eqn`), its
@@ -94,6 +97,52 @@ def linen_conv_base() -> type:
   return resolve("flax.linen.linear", "_Conv")
 
 
+# --- Orbax ------------------------------------------------------------------------------
+# orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop runs each synchronous Orbax
+# call on a fresh event loop and closes it as soon as the call returns or raises. When one
+# TensorStore read of a damaged checkpoint fails, the others are still in flight; they
+# finish after the loop closed and each prints "RuntimeError: Event loop is closed" (and
+# "Exception ignored in <coroutine ...>") long after the error was raised. Within
+# `orbax_drained_event_loops()` a failed call first lets its pending operations finish.
+PRIVATE_NAMES += (("orbax.checkpoint._src.asyncio_utils", "_run_sync_via_new_loop"),)
+
+
+def _drained_run(coro):
+  """`_run_sync_via_new_loop` that finishes every pending task before closing the loop."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(coro)
+  finally:
+    try:
+      pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+      if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=300))
+        for t in pending:
+          if t.done() and not t.cancelled():
+            t.exception()  # retrieved: no "exception was never retrieved" at exit
+    finally:
+      asyncio.set_event_loop(None)
+      loop.close()
+
+
+@contextlib.contextmanager
+def orbax_drained_event_loops():
+  """Within this context a failing synchronous Orbax call returns only once all of its
+  TensorStore operations have finished, so none reports into a closed event loop."""
+  try:
+    original = resolve("orbax.checkpoint._src.asyncio_utils", "_run_sync_via_new_loop")
+  except MissingPrivateName:
+    yield  # another Orbax version: checkpoints work the same, only the noise may return
+    return
+  module = importlib.import_module("orbax.checkpoint._src.asyncio_utils")
+  module._run_sync_via_new_loop = _drained_run  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    module._run_sync_via_new_loop = original  # pylint: disable=protected-access
 def bind_eqn(eqn, invals):
   """Binds a jaxpr equation's primitive again on `invals` with its own params (as
   `jax.core.eval_jaxpr` does; higher-order primitives get their sub-functions back)."""

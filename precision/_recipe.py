@@ -5,11 +5,19 @@ Policy), how the optimizer keeps its state (master copy, moment dtypes), how upd
 rounded back into the params, how the loss is scaled, in which dtype gradients are reduced
 across devices, how fp8 GEMMs are scaled, and which ops stay in f32. It serialises to a
 JSON-safe dict stored in every checkpoint.
+
+Every field is validated when a Recipe (or LossScaleConfig / Fp8Config) is built: exact
+types, ranges, finite numbers, scales that are finite non-zero f32 values. Each error is a
+ValueError naming the field's path (``loss_scale.initial_scale``, ``fp8.weight_block``),
+the value and what is accepted. `Recipe.from_dict` is schema-strict on top of that: the
+dict must have exactly the fields `to_dict` writes, no more, no fewer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -20,8 +28,20 @@ ROUNDINGS = ("nearest", "stochastic", "kahan")
 LOSS_SCALE_KINDS = ("none", "static", "dynamic")
 FP8_SCALINGS = ("current", "delayed", "per_channel", "block")
 AMAX_COMPUTE = ("max", "most_recent")
+FP8_FORMATS = ("e4m3", "e5m2")
 _F32 = np.dtype(np.float32)
 _SIXTEEN_BIT = (parse_dtype("bf16"), parse_dtype("f16"))
+# The formats a tensor may be stored or reduced in. f64 is not one: with JAX's default
+# jax_enable_x64=False it would silently become f32. fp8 formats enter through Fp8Config.
+STORAGE_DTYPES = ("f32", "bf16", "f16")
+MASTER_DTYPES = ("f32",)
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+_INT32_MAX = 2 ** 31 - 1
+# Version of the dict layout `Recipe.to_dict` writes (its "schema" key). Dicts written
+# before the key existed carry exactly the fields of version 1 and read as version 1.
+SCHEMA_VERSION = 1
 
 # Ops kept in f32 whatever the compute dtype: PyTorch autocast's fp32 list (softmax,
 # log_softmax, norms, losses, exp/log/pow, sums) and the precision map of mixed-precision
@@ -35,19 +55,141 @@ DEFAULT_FP32_OPS = (
 )
 
 
-def _check_choice(what: str, value: Any, accepted: tuple[str, ...]) -> None:
-  if value not in accepted:
-    raise ValueError(f"{what}={value!r}; accepted: {', '.join(accepted)}")
+# ---------------------------------------------------------------------------------------
+# Field checks. Each returns the normalised value or raises ValueError naming `path`.
+
+
+def _bad(path: str, value: Any, accepted: str) -> ValueError:
+  return ValueError(f"{path}={value!r}; accepted: {accepted}")
+
+
+def _check_choice(path: str, value: Any, accepted: tuple[str, ...]) -> str:
+  if not isinstance(value, str) or value not in accepted:
+    raise _bad(path, value, ", ".join(accepted))
+  return value
+
+
+def _check_bool(path: str, value: Any) -> bool:
+  # numpy bools are bools; ints (0/1) are not: a JSON 0 where true/false belongs is a typo.
+  if not isinstance(value, (bool, np.bool_)):
+    raise _bad(path, value, "true or false")
+  return bool(value)
+
+
+def _check_int(path: str, value: Any, lo: int, hi: int) -> int:
+  # Integers only: 2000.0 or True in an integer field is refused, not truncated.
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise _bad(path, value, f"an integer in [{lo}, {hi}]")
+  if not lo <= int(value) <= hi:
+    raise _bad(path, value, f"an integer in [{lo}, {hi}]")
+  return int(value)
+
+
+def _check_f32(path: str, value: Any, *, lo: float, hi: float, lo_open: bool = False,
+               what: str = "") -> float:
+  """A real number that is finite, non-zero-after-rounding and in range as an f32.
+
+  The optimizer holds scales and factors in f32: 1e39 would become inf and 1e-46 zero,
+  so the range is checked on the f32 value, and the Python float is kept (to_dict writes
+  the number the user gave).
+  """
+  accepted = what or (f"a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}] "
+                      "(checked as f32)")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise _bad(path, value, accepted)
+  v = float(value)
+  with np.errstate(over="ignore", under="ignore"):
+    v32 = float(np.float32(v))
+  if not (math.isfinite(v) and math.isfinite(v32)):
+    raise _bad(path, value, accepted)
+  if (v32 <= lo if lo_open else v32 < lo) or v32 > hi or (lo_open and v32 == 0.0):
+    raise _bad(path, value, accepted)
+  return v
+
+
+def _check_dtype(path: str, value: Any, accepted: tuple[str, ...]) -> np.dtype:
+  """A dtype name (or dtype-like) among `accepted`; None and other types are refused."""
+  if value is None or isinstance(value, (bool, numbers.Number, list, tuple, dict)):
+    raise _bad(path, value, ", ".join(accepted))
+  try:
+    dt = parse_dtype(value)
+  except (ValueError, TypeError) as e:
+    raise _bad(path, value, ", ".join(accepted)) from e
+  if dtype_name(dt) not in accepted:
+    raise _bad(path, value, ", ".join(accepted))
+  return dt
+
+
+def _check_names(path: str, value: Any, what: str) -> tuple[str, ...]:
+  """A list/tuple of distinct non-empty strings (a bare string is refused, not split)."""
+  if isinstance(value, str) or not isinstance(value, (list, tuple)):
+    raise _bad(path, value, f"a list of {what} (a bare string is not a list: wrap it)")
+  seen = set()
+  for i, item in enumerate(value):
+    if not isinstance(item, str) or not item.strip():
+      raise _bad(f"{path}[{i}]", item, f"a non-empty string ({what})")
+    if item in seen:
+      raise _bad(f"{path}[{i}]", item, f"distinct {what} (this one is repeated)")
+    seen.add(item)
+  return tuple(value)
+
+
+def _check_pair(path: str, value: Any, lo: int, hi: int) -> tuple[int, int]:
+  if isinstance(value, str) or not isinstance(value, (list, tuple)) or len(value) != 2:
+    raise _bad(path, value, f"two integers [rows, cols], each in [{lo}, {hi}]")
+  return tuple(_check_int(f"{path}[{i}]", v, lo, hi) for i, v in enumerate(value))
+
+
+def _check_keys(path: str, d: Any, cls: type, optional: tuple[str, ...] = ()) -> None:
+  """`d` is a dict with exactly the fields of dataclass `cls` (plus `optional` keys)."""
+  where = path or "recipe"
+  if not isinstance(d, dict):
+    raise ValueError(f"{where}={d!r}; accepted: a dict with the fields of {cls.__name__}")
+  fields = [f.name for f in dataclasses.fields(cls)]
+  bad_keys = [k for k in d if not isinstance(k, str)]
+  if bad_keys:
+    raise ValueError(f"{where}: field names must be strings, got {bad_keys!r}")
+  unknown = sorted(set(d) - set(fields) - set(optional))
+  missing = [k for k in fields if k not in d]
+  prefix = f"{path}." if path else ""
+  if unknown:
+    raise ValueError(f"{where}: unknown field(s) {', '.join(prefix + k for k in unknown)}; "
+                     f"accepted: {', '.join(fields)}")
+  if missing:
+    raise ValueError(f"{where}: missing field(s) {', '.join(prefix + k for k in missing)}; "
+                     f"a {cls.__name__} dict needs every field: {', '.join(fields)}")
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+  object.__setattr__(obj, name, value)
+
+
+# ---------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
   """How the loss is scaled before backward. `kind` none|static|dynamic.
 
-  Dynamic scaling follows PyTorch's GradScaler and Megatron: the scale backs off by
-  `backoff_factor` after `hysteresis` consecutive non-finite steps (which are skipped), and
-  grows by `growth_factor` after `growth_interval` consecutive finite steps, within
-  [min_scale, max_scale].
+  Dynamic scaling follows PyTorch's GradScaler with Megatron's hysteresis
+  (`precision.optim.DynamicLossScale`). Every step with a non-finite gradient is skipped
+  and resets the growth count. The scale backs off (times `backoff_factor`, not below
+  `min_scale`) on the `hysteresis`-th non-finite step counted since the last growth (or
+  since the start), and again on every further non-finite step until the next growth; the
+  non-finite steps need not be consecutive, since finite steps in between do not restore
+  the count. The scale grows (times `growth_factor`, at most `max_scale`, not at all when
+  the grown value would not be a finite f32) after `growth_interval` consecutive finite
+  steps, and that growth restores the count to `hysteresis`. With ``hysteresis=1`` this is
+  GradScaler: every non-finite step backs off.
+
+  All scales and factors are held in f32, so each must be a finite non-zero f32: e.g.
+  ``initial_scale=1e39`` (inf in f32) is refused. Integers (`growth_interval`,
+  `hysteresis`) must be integers in [1, 2**31 - 1].
+
+  Examples:
+    >>> LossScaleConfig(kind="dynamic", initial_scale=2.0 ** 16, growth_interval=1000)
+    >>> LossScaleConfig.from_dict(cfg.to_dict()) == cfg
+    True
   """
 
   kind: str = "none"
@@ -56,25 +198,61 @@ class LossScaleConfig:
   backoff_factor: float = 0.5
   growth_interval: int = 2000
   min_scale: float = 1.0
-  max_scale: float = float(np.finfo(np.float32).max)
+  max_scale: float = _F32_MAX
   hysteresis: int = 1
 
   def __post_init__(self):
-    _check_choice("loss_scale.kind", self.kind, LOSS_SCALE_KINDS)
-    if not (self.initial_scale > 0 and np.isfinite(self.initial_scale)):
-      raise ValueError(f"loss_scale.initial_scale={self.initial_scale!r}; must be finite and > 0")
-    if self.growth_factor < 1.0:
-      raise ValueError(f"loss_scale.growth_factor={self.growth_factor!r}; must be >= 1")
-    if not 0.0 < self.backoff_factor <= 1.0:
-      raise ValueError(f"loss_scale.backoff_factor={self.backoff_factor!r}; must be in (0, 1]")
-    if self.growth_interval < 1 or self.hysteresis < 1:
+    self._validate("loss_scale")
+
+  def _validate(self, path: str) -> None:
+    _check_choice(f"{path}.kind", self.kind, LOSS_SCALE_KINDS)
+    f32 = f"(checked as f32, max {_F32_MAX:.7g})"
+    _set(self, "initial_scale", _check_f32(
+        f"{path}.initial_scale", self.initial_scale, lo=0.0, hi=_F32_MAX, lo_open=True,
+        what=f"a finite number > 0 {f32}"))
+    _set(self, "growth_factor", _check_f32(
+        f"{path}.growth_factor", self.growth_factor, lo=1.0, hi=_F32_MAX,
+        what=f"a finite number >= 1 {f32}"))
+    _set(self, "backoff_factor", _check_f32(
+        f"{path}.backoff_factor", self.backoff_factor, lo=0.0, hi=1.0, lo_open=True,
+        what="a number in (0, 1] (checked as f32)"))
+    _set(self, "growth_interval", _check_int(f"{path}.growth_interval", self.growth_interval,
+                                             1, _INT32_MAX))
+    _set(self, "min_scale", _check_f32(
+        f"{path}.min_scale", self.min_scale, lo=0.0, hi=_F32_MAX, lo_open=True,
+        what=f"a finite number > 0 {f32}"))
+    _set(self, "max_scale", _check_f32(
+        f"{path}.max_scale", self.max_scale, lo=0.0, hi=_F32_MAX, lo_open=True,
+        what=f"a finite number > 0 {f32}"))
+    _set(self, "hysteresis", _check_int(f"{path}.hysteresis", self.hysteresis, 1, _INT32_MAX))
+    if not self.min_scale <= self.max_scale:
       raise ValueError(
-          f"loss_scale.growth_interval={self.growth_interval!r} and hysteresis="
-          f"{self.hysteresis!r} must be >= 1")
-    if not 0 < self.min_scale <= self.max_scale:
+          f"{path}.min_scale={self.min_scale!r}, {path}.max_scale={self.max_scale!r}; "
+          "accepted: 0 < min_scale <= max_scale")
+    if self.kind == "dynamic" and not self.min_scale <= self.initial_scale <= self.max_scale:
       raise ValueError(
-          f"loss_scale.min_scale={self.min_scale!r}, max_scale={self.max_scale!r}; need "
-          "0 < min_scale <= max_scale")
+          f"{path}.initial_scale={self.initial_scale!r} with {path}.min_scale="
+          f"{self.min_scale!r}, {path}.max_scale={self.max_scale!r}; accepted: a dynamic "
+          "scale starts within [min_scale, max_scale]")
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-safe dict of every field."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any], *, path: str = "loss_scale") -> LossScaleConfig:
+    """Schema-strict inverse of `to_dict`: exactly its fields, each validated.
+
+    Raises:
+      ValueError: naming the field path (e.g. ``loss_scale.hysteresis``), the value and
+        what is accepted, for an unknown or missing field or a bad value.
+    """
+    _check_keys(path, d, cls)
+    obj = cls.__new__(cls)
+    for f in dataclasses.fields(cls):
+      _set(obj, f.name, d[f.name])
+    obj._validate(path)  # pylint: disable=protected-access
+    return obj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +261,14 @@ class Fp8Config:
 
   scaling: "current" (per-tensor amax of this step), "delayed" (amax history, as
   Transformer Engine), "per_channel" (row-wise), "block" (1x128 activation/gradient tiles,
-  128x128 weight blocks, as DeepSeek-V3). `keep_high_precision` lists module path patterns
-  whose GEMMs stay in the compute dtype (lm_head and embeddings by default).
+  128x128 weight blocks, as DeepSeek-V3; the contraction tiles must agree:
+  ``activation_block[1] == weight_block[0] == weight_block[1]``). `keep_high_precision`
+  lists module path patterns (fnmatch) whose GEMMs stay in the compute dtype (lm_head and
+  embeddings by default); it is a list of patterns, never a bare string. `margin` in
+  [0, 127] (the scale is divided by 2**margin, an f32), `amax_history_len` in [1, 65536].
+
+  Examples:
+    >>> Fp8Config(scaling="current", keep_high_precision=("*lm_head*",))
   """
 
   forward_format: str = "e4m3"
@@ -99,23 +283,60 @@ class Fp8Config:
   keep_high_precision: tuple[str, ...] = ("*lm_head*", "*embed*")
 
   def __post_init__(self):
+    self._validate("fp8")
+
+  def _validate(self, path: str) -> None:
     for field in ("forward_format", "backward_format"):
-      name = dtype_name(getattr(self, field))
-      if name not in ("e4m3", "e5m2"):
-        raise ValueError(f"fp8.{field}={getattr(self, field)!r}; accepted: e4m3, e5m2")
-      object.__setattr__(self, field, name)
-    _check_choice("fp8.scaling", self.scaling, FP8_SCALINGS)
-    _check_choice("fp8.amax_compute", self.amax_compute, AMAX_COMPUTE)
-    if self.amax_history_len < 1:
-      raise ValueError(f"fp8.amax_history_len={self.amax_history_len!r}; must be >= 1")
-    object.__setattr__(self, "activation_block", tuple(int(v) for v in self.activation_block))
-    object.__setattr__(self, "weight_block", tuple(int(v) for v in self.weight_block))
-    object.__setattr__(self, "keep_high_precision", tuple(self.keep_high_precision))
+      value = getattr(self, field)
+      _set(self, field, dtype_name(_check_dtype(f"{path}.{field}", value, FP8_FORMATS)))
+    _check_choice(f"{path}.scaling", self.scaling, FP8_SCALINGS)
+    _check_choice(f"{path}.amax_compute", self.amax_compute, AMAX_COMPUTE)
+    _set(self, "amax_history_len", _check_int(f"{path}.amax_history_len",
+                                              self.amax_history_len, 1, 65536))
+    _set(self, "margin", _check_int(f"{path}.margin", self.margin, 0, 127))
+    _set(self, "power_of_two", _check_bool(f"{path}.power_of_two", self.power_of_two))
+    _set(self, "activation_block", _check_pair(f"{path}.activation_block",
+                                               self.activation_block, 1, 65536))
+    _set(self, "weight_block", _check_pair(f"{path}.weight_block", self.weight_block, 1, 65536))
+    _set(self, "keep_high_precision", _check_names(
+        f"{path}.keep_high_precision", self.keep_high_precision, "module path patterns"))
+    act, wgt = self.activation_block, self.weight_block
+    if self.scaling == "block" and not act[1] == wgt[0] == wgt[1]:
+      raise ValueError(
+          f"{path}.activation_block={list(act)} and {path}.weight_block={list(wgt)} with "
+          f"{path}.scaling='block'; accepted: activation_block=[r, k], weight_block=[k, k] "
+          "(equal contraction tiles)")
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-safe dict of every field (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(self).items()}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any], *, path: str = "fp8") -> Fp8Config:
+    """Schema-strict inverse of `to_dict`: exactly its fields, each validated.
+
+    Raises:
+      ValueError: naming the field path (e.g. ``fp8.keep_high_precision[0]``), the value
+        and what is accepted.
+    """
+    _check_keys(path, d, cls)
+    obj = cls.__new__(cls)
+    for f in dataclasses.fields(cls):
+      _set(obj, f.name, d[f.name])
+    obj._validate(path)  # pylint: disable=protected-access
+    return obj
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
   """The whole training precision recipe.
+
+  Fields: `name`; `policy` (param/compute/output dtypes, each f32, bf16 or f16);
+  `master_dtype` (None or f32, wider than the params); `mu_dtype` / `nu_dtype` (Adam moment
+  storage) and `reduce_dtype` (cross-device gradient reduction), each f32, bf16 or f16;
+  `rounding` (nearest | stochastic | kahan); `loss_scale`; `fp8` (None or Fp8Config);
+  `fp32_ops` (op names kept in f32); `allow_f16_without_loss_scale`.
 
   Examples:
     >>> r = get_recipe("bf16_master")
@@ -138,25 +359,55 @@ class Recipe:
   allow_f16_without_loss_scale: bool = False
 
   def __post_init__(self):
-    set_ = lambda k, v: object.__setattr__(self, k, v)
-    set_("policy", get_policy(self.policy))
+    if not isinstance(self.name, str) or not self.name.strip():
+      raise _bad("name", self.name, "a non-empty string")
+    if not isinstance(self.policy, (str, Policy)):
+      raise _bad("policy", self.policy, "a policy string such as 'p=f32,c=bf16,o=f32'")
+    try:
+      _set(self, "policy", get_policy(self.policy))
+    except ValueError as e:
+      raise ValueError(f"policy={self.policy!r}: {e}") from e
+    for part in ("param_dtype", "compute_dtype", "output_dtype"):
+      dt = getattr(self.policy, part)
+      if dtype_name(dt) not in STORAGE_DTYPES:
+        raise ValueError(f"policy={str(self.policy)!r}: its {part} is {dtype_name(dt)}; "
+                         f"accepted: {', '.join(STORAGE_DTYPES)} (fp8 GEMMs: set fp8)")
     for field in ("mu_dtype", "nu_dtype", "reduce_dtype"):
-      set_(field, parse_dtype(getattr(self, field)))
+      _set(self, field, _check_dtype(field, getattr(self, field), STORAGE_DTYPES))
     if self.master_dtype is not None:
-      set_("master_dtype", parse_dtype(self.master_dtype))
+      try:
+        _set(self, "master_dtype", _check_dtype("master_dtype", self.master_dtype,
+                                                STORAGE_DTYPES))
+      except ValueError as e:
+        raise _bad("master_dtype", self.master_dtype,
+                   "None (no master copy) or " + ", ".join(MASTER_DTYPES)) from e
     if isinstance(self.loss_scale, dict):
-      set_("loss_scale", LossScaleConfig(**self.loss_scale))
+      _set(self, "loss_scale", _config_from_kwargs(LossScaleConfig, self.loss_scale,
+                                                   "loss_scale"))
+    if not isinstance(self.loss_scale, LossScaleConfig):
+      raise _bad("loss_scale", self.loss_scale, "a LossScaleConfig or its dict")
     if isinstance(self.fp8, dict):
-      set_("fp8", Fp8Config(**self.fp8))
+      _set(self, "fp8", _config_from_kwargs(Fp8Config, self.fp8, "fp8"))
+    if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+      raise _bad("fp8", self.fp8, "None, an Fp8Config or its dict")
+    # The list's shape here (a list of distinct non-empty strings, never a bare string);
+    # which names exist, in precision._fp32_ops (each name maps to JAX primitives).
     from precision._fp32_ops import check_names  # pylint: disable=g-import-not-at-top
-    set_("fp32_ops", check_names(self.fp32_ops, "fp32_ops"))
+    _set(self, "fp32_ops", check_names(_check_names("fp32_ops", self.fp32_ops, "op names"),
+                                       "fp32_ops"))
+    _set(self, "allow_f16_without_loss_scale", _check_bool(
+        "allow_f16_without_loss_scale", self.allow_f16_without_loss_scale))
     _check_choice("rounding", self.rounding, ROUNDINGS)
     param = self.policy.param_dtype
     if self.master_dtype is not None:
       if self.master_dtype.itemsize <= param.itemsize:
         raise ValueError(
             f"master_dtype={dtype_name(self.master_dtype)} must be wider than the param "
-            f"dtype {dtype_name(param)}; use master_dtype=None to train params directly")
+            f"dtype {dtype_name(param)} of policy={str(self.policy)!r}; use "
+            "master_dtype=None to train params directly")
+      if dtype_name(self.master_dtype) not in MASTER_DTYPES:
+        raise _bad("master_dtype", dtype_name(self.master_dtype),
+                   "None (no master copy) or " + ", ".join(MASTER_DTYPES))
       if self.rounding == "kahan":
         raise ValueError(
             "rounding='kahan' compensates bf16 params without a master copy; with "
@@ -164,13 +415,14 @@ class Recipe:
     if self.rounding in ("stochastic", "kahan") and param == _F32 and self.master_dtype is None:
       raise ValueError(
           f"rounding={self.rounding!r} only matters for 16-bit params; this recipe's "
-          f"params are {dtype_name(param)}")
+          f"policy={str(self.policy)!r} has {dtype_name(param)} params and master_dtype=None")
     uses_f16 = parse_dtype("f16") in (param, self.policy.compute_dtype)
     if uses_f16 and self.loss_scale.kind == "none" and not self.allow_f16_without_loss_scale:
       raise ValueError(
-          f"Recipe {self.name!r} computes in f16 without loss scaling: small gradients "
-          "underflow f16 (smallest subnormal 6e-8). Set loss_scale=LossScaleConfig("
-          "kind='dynamic') or allow_f16_without_loss_scale=True.")
+          f"Recipe {self.name!r} computes in f16 without loss scaling (policy="
+          f"{str(self.policy)!r}, loss_scale.kind='none'): small gradients underflow f16 "
+          "(smallest subnormal 6e-8). Set loss_scale=LossScaleConfig(kind='dynamic') or "
+          "allow_f16_without_loss_scale=True.")
 
   @property
   def swamping_risk(self) -> bool:
@@ -205,28 +457,67 @@ class Recipe:
   def to_dict(self) -> dict[str, Any]:
     """JSON-safe dict; ``Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r``."""
     return {
+        "schema": SCHEMA_VERSION,
         "name": self.name,
         "policy": str(self.policy),
         "master_dtype": None if self.master_dtype is None else dtype_name(self.master_dtype),
         "mu_dtype": dtype_name(self.mu_dtype),
         "nu_dtype": dtype_name(self.nu_dtype),
         "rounding": self.rounding,
-        "loss_scale": dataclasses.asdict(self.loss_scale),
+        "loss_scale": self.loss_scale.to_dict(),
         "reduce_dtype": dtype_name(self.reduce_dtype),
-        "fp8": None if self.fp8 is None else {
-            k: list(v) if isinstance(v, tuple) else v
-            for k, v in dataclasses.asdict(self.fp8).items()},
+        "fp8": None if self.fp8 is None else self.fp8.to_dict(),
         "fp32_ops": list(self.fp32_ops),
         "allow_f16_without_loss_scale": self.allow_f16_without_loss_scale,
     }
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> Recipe:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - known
-    if unknown:
-      raise ValueError(f"Unknown recipe fields {sorted(unknown)}; accepted: {sorted(known)}")
-    return cls(**d)
+    """Schema-strict inverse of `to_dict`.
+
+    The dict must hold exactly the fields `to_dict` writes (nested `loss_scale` and `fp8`
+    dicts included): a missing field is an error, never a silent default. Types are exact
+    (a string where a list belongs, an int where a bool belongs, 2000.0 for an integer and
+    None for a dtype are refused), numbers finite and in range, scales finite non-zero f32.
+    The "schema" key is the layout version: 1, or absent in dicts written before it
+    existed (those hold the same fields).
+
+    Raises:
+      ValueError: naming the field path (``fp8.margin``, ``fp32_ops[2]``), the value and
+        what is accepted.
+
+    Examples:
+      >>> Recipe.from_dict(json.load(open("recipe.json")))
+    """
+    _check_keys("", d, cls, optional=("schema",))
+    if "schema" in d and (type(d["schema"]) is not int or d["schema"] != SCHEMA_VERSION):
+      raise _bad("schema", d["schema"], f"{SCHEMA_VERSION} (this version's layout), or absent")
+    if not isinstance(d["policy"], str):
+      raise _bad("policy", d["policy"], "a policy string such as 'p=f32,c=bf16,o=f32'")
+    for field in ("mu_dtype", "nu_dtype", "reduce_dtype"):
+      if not isinstance(d[field], str):
+        raise _bad(field, d[field], ", ".join(STORAGE_DTYPES))
+    if d["master_dtype"] is not None and not isinstance(d["master_dtype"], str):
+      raise _bad("master_dtype", d["master_dtype"], "null or " + ", ".join(MASTER_DTYPES))
+    loss_scale = LossScaleConfig.from_dict(d["loss_scale"])
+    fp8 = None if d["fp8"] is None else Fp8Config.from_dict(d["fp8"])
+    kwargs = {k: v for k, v in d.items() if k not in ("schema", "loss_scale", "fp8")}
+    return cls(loss_scale=loss_scale, fp8=fp8, **kwargs)
+
+
+def _config_from_kwargs(cls: type, d: dict[str, Any], path: str) -> Any:
+  """A LossScaleConfig / Fp8Config from a partial dict of keyword arguments (constructor
+  convenience: missing fields take their defaults; unknown ones are an error)."""
+  fields = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(str(k) for k in set(d) - set(fields))
+  if unknown:
+    raise ValueError(f"{path}: unknown field(s) {', '.join(f'{path}.{k}' for k in unknown)}; "
+                     f"accepted: {', '.join(fields)}")
+  obj = cls.__new__(cls)
+  for f in dataclasses.fields(cls):
+    _set(obj, f.name, d.get(f.name, f.default))
+  obj._validate(path)  # pylint: disable=protected-access
+  return obj
 
 
 def _presets() -> dict[str, Recipe]:

@@ -114,9 +114,21 @@ def test_cross_recipe_restore_converts_from_the_master(tmp_path, src, dst):
   assert any("ScaleByAdamState" in n for n in r.converted)
   # Params: the f32 master rounded to nearest into the target's param dtype.
   _assert_tree_equal(r.state.params, dst_r.policy.cast_to_param(master))
-  # A target master is the saved f32 view bit for bit; Adam's moments carry over.
-  _assert_tree_equal(mp.optim.master_params(r.state.opt_state, r.state.params)
-                     if dst_r.master_dtype is not None else master, master)
+  # A target master copy is the saved f32 view bit for bit. Without one (fp32, bf16_sr)
+  # the state holds no master, and the f32 view of the target is its params: the saved
+  # master itself for f32 params, its bf16 rounding for bf16 params.
+  masters = [n for n in jax.tree.leaves(r.state.opt_state, is_leaf=lambda x: isinstance(
+      x, mp.optim.MasterState)) if isinstance(n, mp.optim.MasterState)]
+  if dst_r.master_dtype is not None:
+    assert len(masters) == 1
+    _assert_tree_equal(masters[0].master, master)
+  else:
+    assert masters == []
+    upcast = jax.tree.map(lambda x: x.astype(jnp.float32), dst_r.policy.cast_to_param(master))
+    _assert_tree_equal(mp.optim.master_params(r.state.opt_state, r.state.params), upcast)
+    if dst_r.policy.param_dtype == jnp.float32:
+      _assert_tree_equal(r.state.params, master)
+  # Adam's moments carry over.
   find = lambda s: [n for n in jax.tree.leaves(s, is_leaf=lambda x: isinstance(
       x, optax.ScaleByAdamState)) if isinstance(n, optax.ScaleByAdamState)][0]
   _assert_tree_equal(find(r.state.opt_state).mu, find(saved.opt_state).mu)
@@ -129,3 +141,64 @@ def test_cross_recipe_restore_converts_from_the_master(tmp_path, src, dst):
   updates, _ = tx.update(grads, r.state.opt_state, r.state.params)
   new = mp.optim.apply_updates(r.state.params, updates)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(new))
+
+
+def test_import_orbax_finds_the_params_and_names_every_problem(tmp_path):
+  """Plain Orbax writers (StandardCheckpointer, PyTreeCheckpointer, CheckpointManager),
+  params at the root or under 'params'; bad input named, nothing created."""
+  import orbax.checkpoint as ocp
+  recipe = mp.get_recipe("bf16_master")
+  tx = _tx(recipe)
+  values = {"w": jnp.arange(32, dtype=jnp.float32).reshape(8, 4) / 7.0,
+            "b": jnp.full((4,), 1 / 3, jnp.float32)}
+  params = _params(recipe)
+  target = checkpoint.TrainState(params, tx.init(params), {}, jax.random.key_data(
+      jax.random.key(0)))
+  with ocp.StandardCheckpointer() as std:
+    std.save(tmp_path / "flax_state", {"params": values, "opt_state": optax.adam(1e-3).init(
+        values), "step": 3})
+  ocp.PyTreeCheckpointer().save(tmp_path / "pytree", values)
+  mgr = ocp.CheckpointManager(tmp_path / "mgr")
+  for step in (1, 2):
+    mgr.save(step, args=ocp.args.StandardSave(values))
+  mgr.wait_until_finished()
+  mgr.close()
+  for path, kw, where, step in ((tmp_path / "flax_state", {}, "params", None),
+                                (tmp_path / "pytree", {}, "", None),
+                                (tmp_path / "mgr", {}, "", 2),
+                                (tmp_path / "mgr", {"step": 1}, "", 1),
+                                (tmp_path / "mgr" / "1", {"item": "default"}, "", 1)):
+    imp = checkpoint.import_orbax(path, target, recipe, optimizer=tx, **kw)
+    assert (imp.params_path, imp.step) == (where, step)
+    master = mp.optim.master_params(imp.state.opt_state, imp.state.params)
+    _assert_tree_equal(master, values)                                 # bit for bit
+    _assert_tree_equal(imp.state.params, recipe.policy.cast_to_param(values))
+    assert [x.dtype for x in jax.tree.leaves(imp.state.opt_state)] == [
+        x.dtype for x in jax.tree.leaves(target.opt_state)]
+  # Problems: each names the path and what is wrong.
+  bad_target = target._replace(params={"w": jnp.zeros((8, 5), jnp.bfloat16),
+                                       "b": params["b"]})
+  int_target = target._replace(params={"w": jnp.zeros((8, 4), jnp.int32), "b": params["b"]})
+  cases = [
+      (tmp_path / "missing", target, {}, FileNotFoundError, "No Orbax checkpoint at .*"
+       "missing: the path does not exist"),
+      (tmp_path, target, {}, ValueError, r"holds several Orbax items \(flax_state, pytree\)"),
+      (tmp_path / "mgr", target, {"step": 9}, ValueError, r"step=9 is not a step.*\[1, 2\]"),
+      (tmp_path / "mgr" / "1", target, {"item": "state"}, ValueError,
+       r"item='state' is not an Orbax PyTree item.*items: \['default'\]"),
+      (tmp_path / "pytree", bad_target, {}, checkpoint.CheckpointMismatchError,
+       r"pytree: leaf 'w': checkpoint has \(8, 4\) float32, the target expects \(8, 5\) "
+       "bfloat16"),
+      (tmp_path / "pytree", int_target, {}, checkpoint.CheckpointMismatchError,
+       r"leaf 'w': checkpoint has \(8, 4\) float32, the target expects \(8, 4\) int32"),
+      (tmp_path / "flax_state", target, {"params_path": "model"},
+       checkpoint.CheckpointMismatchError, r"leaf 'model/b' \(the target's \(4,\) bfloat16\) "
+       "is not in the checkpoint"),
+      (tmp_path / "pytree", target._replace(params={"v": params["w"]}), {},
+       checkpoint.CheckpointMismatchError, r"leaf 'v' .* is not in the checkpoint, which "
+       "holds 2 leaves"),
+  ]
+  for path, tgt, kw, err, match in cases:
+    with pytest.raises(err, match=match):
+      checkpoint.import_orbax(path, tgt, recipe, optimizer=tx, **kw)
+  assert not (tmp_path / "missing").exists()

@@ -2,34 +2,59 @@
 
 A checkpoint holds params, the whole optimizer state (master copy, moments, loss-scale
 state, counters), fp8 scaling state, the RNG key data, the step, the data sampler's
-position, ``recipe.to_dict()`` and the model config. `restore` brings back exactly what was
-saved; ``restore(..., recipe=other, optimizer_for=...)`` converts to another recipe from
-the f32 master and says what it converted; a target that does not fit raises
-`CheckpointMismatchError` naming the first differing leaf.
+position, ``recipe.to_dict()``, the model config, the seed and the run id, with a SHA-256
+of every file and every array. `restore` verifies them and brings back exactly what was
+saved, falling back to the newest intact step (with a `CheckpointFallbackWarning` and
+`Restored.skipped`) when newer ones are damaged; ``restore(..., recipe=other,
+optimizer_for=...)`` converts to another recipe from the f32 master and says what it
+converted; a target that does not fit raises `CheckpointMismatchError` naming the first
+differing leaf. One process writes a directory at a time, and only the run it belongs to.
+`import_orbax` brings in a checkpoint written by plain Orbax.
 
 Examples:
   >>> from precision import checkpoint
   >>> state = checkpoint.TrainState(params, opt_state, model_state={}, rng=key_data)
   >>> checkpoint.save("/tmp/run", 100, state, recipe=recipe, model_config=cfg.to_dict(),
-  ...                 data=sampler_state)
-  >>> r = checkpoint.restore("/tmp/run", state)            # exact
+  ...                 seed=0, data=sampler_state)
+  >>> r = checkpoint.restore("/tmp/run", state)            # exact, verified
   >>> r = checkpoint.restore("/tmp/run", state_fp32, recipe=mp.get_recipe("fp32"),
   ...                        optimizer_for=lambda rc: mp.optim.build_optimizer(rc, inner))
   >>> print(r.converted)
+  >>> imported = checkpoint.import_orbax("/path/to/orbax_ckpt", state, recipe, optimizer=tx)
 """
 
+from precision.checkpoint._errors import CheckpointDamagedError
+from precision.checkpoint._errors import CheckpointError
+from precision.checkpoint._errors import CheckpointFallbackWarning
+from precision.checkpoint._errors import CheckpointLockedError
+from precision.checkpoint._errors import CheckpointMismatchError
+from precision.checkpoint._errors import CheckpointOwnershipError
+from precision.checkpoint._errors import CheckpointWarning
+from precision.checkpoint._errors import NoCheckpointError
+from precision.checkpoint._import import Imported
+from precision.checkpoint._import import import_orbax
 from precision.checkpoint._manager import Checkpointer
 from precision.checkpoint._manager import Restored
 from precision.checkpoint._manager import TrainState
 from precision.checkpoint._manager import restore
 from precision.checkpoint._manager import save
-from precision.checkpoint._tree import CheckpointMismatchError
+from precision.checkpoint._owner import RunRecord
 
 __all__ = [
+    "CheckpointDamagedError",
+    "CheckpointError",
+    "CheckpointFallbackWarning",
+    "CheckpointLockedError",
     "CheckpointMismatchError",
+    "CheckpointOwnershipError",
+    "CheckpointWarning",
     "Checkpointer",
+    "Imported",
+    "NoCheckpointError",
     "Restored",
+    "RunRecord",
     "TrainState",
+    "import_orbax",
     "restore",
     "save",
 ]

@@ -1,30 +1,66 @@
 """Save and restore the whole training state of a precision recipe with Orbax.
 
-One checkpoint (an Orbax `CheckpointManager` step directory) holds two items:
-  * ``state``: the `TrainState` arrays: params, the whole optimizer state (master copy,
-    moments, loss-scale state, skip counters, rounding counters), the model's non-param
-    variables (fp8 scaling state) and the RNG key data;
-  * ``meta`` (JSON): step, ``recipe.to_dict()``, the model config, the data sampler's
-    position and any extra JSON the caller adds.
-Orbax writes a step into a temporary directory and renames it when complete, so a process
-killed in the middle of a save leaves the previous steps intact; the manager ignores the
-unfinished directory. Saves are synchronous: `save` returns when the step is on disk.
+Layout of a checkpoint directory:
+
+  <dir>/precision_run.json   the run it belongs to (run id, recipe, model config, seed)
+  <dir>/precision.lock       the writer lock (flock; pid/host/run of the holder)
+  <dir>/<step>/state/        Orbax item (StandardCheckpointHandler): the TrainState arrays
+  <dir>/<step>/meta/metadata JSON: step, recipe.to_dict(), model config, seed, run id, the
+                             data sampler's position and any extra JSON the caller adds
+  <dir>/<step>/integrity.json  SHA-256 of every file and every array of the step
+  <dir>/.tmp-<step>-<id>/    a save in progress (never read; removed by the next writer)
+
+A step is written into ``.tmp-<step>-<id>`` (arrays, metadata, then the checksums) and
+renamed to ``<step>`` only when complete, so a process killed in the middle of a save
+leaves the previous steps intact and no half-written ``<step>`` behind. Only folders named
+by a step number that hold ``integrity.json`` are checkpoints (plus the complete steps of
+format 1, written by earlier versions through an Orbax CheckpointManager, restored
+without checksums); an empty, partial or stray numeric folder is reported, never read.
+Saves are synchronous: `save` returns when the step is on disk.
+
+`restore` verifies a step's files before Orbax reads them and its arrays after: a damaged
+newest step is reported by name (a `CheckpointFallbackWarning`, and `Restored.skipped`)
+and the newest intact older step is restored instead, or `CheckpointDamagedError` says
+that none is intact. One process writes a directory at a time (`CheckpointLockedError`),
+and only the run it belongs to (`CheckpointOwnershipError`). Local POSIX filesystems, one
+process (all the devices of one host); a multi-process job is refused at `save`.
 """
 
 from __future__ import annotations
 
+import json
+import numbers
 import os
+import re
+import shutil
+import uuid
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from precision._recipe import Recipe
 from precision.checkpoint import _convert
+from precision.checkpoint import _integrity
+from precision.checkpoint import _orbax
+from precision.checkpoint import _owner
 from precision.checkpoint import _tree
+from precision.checkpoint._errors import CheckpointDamagedError
+from precision.checkpoint._errors import CheckpointError
+from precision.checkpoint._errors import CheckpointFallbackWarning
+from precision.checkpoint._errors import CheckpointOwnershipError
+from precision.checkpoint._errors import CheckpointWarning
+from precision.checkpoint._errors import NoCheckpointError
+from precision.checkpoint._lock import WriterLock
 
-FORMAT_VERSION = 1
+# Format of a step's meta JSON: 1 = Orbax CheckpointManager layout without checksums
+# (earlier versions), 2 = this layout with integrity.json.
+FORMAT_VERSION = 2
+_LEGACY_FORMAT = 1
+_STATE, _META = "state", os.path.join("meta", "metadata")
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+_PARTIAL = re.compile(r"\.(tmp|old|del)-([0-9]+)-[0-9a-f]+|([0-9]+)\.orbax-checkpoint-tmp.*")
 
 
 class TrainState(NamedTuple):
@@ -48,7 +84,11 @@ class Restored(NamedTuple):
   state: the TrainState. step: the checkpoint's step. recipe: the recipe `state` is in.
   saved_recipe: the recipe it was saved under. model_config / data / extra: the JSON saved
   with it (data: the sampler position as a dict). converted: human-readable notes of
-  what a cross-recipe restore changed (empty when nothing was converted).
+  what a cross-recipe restore changed (empty when nothing was converted). seed / run_id:
+  the seed and run id saved with the step (None when not recorded). skipped: one line per
+  newer step passed over because it is damaged (empty when the newest step was
+  restored). verified: whether the step carried checksums (False only for steps written
+  by earlier versions without them).
   """
 
   state: TrainState
@@ -59,6 +99,10 @@ class Restored(NamedTuple):
   data: dict | None
   extra: dict | None
   converted: tuple[str, ...]
+  seed: int | None = None
+  run_id: str | None = None
+  skipped: tuple[str, ...] = ()
+  verified: bool = True
 
 
 def _json_data(data: Any) -> dict | None:
@@ -68,78 +112,190 @@ def _json_data(data: Any) -> dict | None:
   return {k: int(v) for k, v in d.items()}
 
 
+def _check_json(what: str, value: Any) -> None:
+  try:
+    json.dumps(value, allow_nan=False)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what}={value!r} cannot be saved as strict JSON ({e}); accepted: "
+                     "dicts/lists of str, finite numbers, bools and None") from None
+
+
+def _check_step(step: Any) -> int:
+  if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+    raise ValueError(f"step={step!r}; accepted: an integer >= 0")
+  return int(step)
+
+
+class _Scan(NamedTuple):
+  steps: dict[int, bool]          # step -> carries checksums (False: format 1)
+  not_checkpoints: list[tuple[str, str]]  # (name, why) of step-like non-checkpoints
+  partial: list[str]              # unfinished saves and moved-aside steps (names)
+
+
+def _read_meta(step_dir: str) -> dict:
+  with open(os.path.join(step_dir, _META)) as f:
+    meta = json.load(f)
+  if not isinstance(meta, dict):
+    raise ValueError("the metadata is not a JSON object")
+  return meta
+
+
+def _is_legacy(step_dir: str) -> bool:
+  """A complete step of format 1 (Orbax CheckpointManager, no checksums)."""
+  if not (os.path.isfile(os.path.join(step_dir, "_CHECKPOINT_METADATA"))
+          and _orbax.is_item(os.path.join(step_dir, _STATE))):
+    return False
+  try:
+    return _read_meta(step_dir).get("format") == _LEGACY_FORMAT
+  except (OSError, ValueError):
+    return False
+
+
 class Checkpointer:
   """Saves TrainStates under `directory/<step>`, keeping the last `keep` steps.
 
+  Creating a Checkpointer touches nothing on disk. The first `save` (or `acquire`)
+  creates the directory, takes its writer lock (held until `close`) and records the run
+  the directory belongs to. Use it as a context manager, or call `close`.
+
   Examples:
-    >>> ckpt = Checkpointer("/tmp/run1", keep=3)
-    >>> ckpt.save(100, TrainState(params, opt_state, {}, key_data), recipe=recipe,
-    ...           model_config=cfg.to_dict(), data=sampler_state)
-    >>> r = ckpt.restore(TrainState(params, opt_state, {}, key_data))
-    >>> r.step, r.state.params
+    >>> with Checkpointer("/tmp/run1", keep=3) as ckpt:
+    ...   ckpt.save(100, TrainState(params, opt_state, {}, key_data), recipe=recipe,
+    ...             model_config=cfg.to_dict(), seed=0, data=sampler_state)
+    ...   r = ckpt.restore(TrainState(params, opt_state, {}, key_data))
+    >>> r.step, r.skipped
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 3):
-    if keep < 1:
-      raise ValueError(f"keep={keep!r}; must be >= 1 (number of checkpoints kept)")
+    if isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 1:
+      raise ValueError(f"keep={keep!r}; accepted: an integer >= 1 (number of checkpoints "
+                       "kept)")
     self.directory = os.path.abspath(os.fspath(directory))
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=False)
-    # Handlers named up front, so a fresh manager (a new process) can read item metadata.
-    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_handlers=handlers)
+    self.keep = int(keep)
+    self._lock: WriterLock | None = None
+    self._record: _owner.RunRecord | None = None
+    self.cleaned: list[str] = []  # unfinished saves `acquire` removed
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # ------------------------------------------------------------------ reading
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _what(self, step: int) -> str:
+    return f"Checkpoint {self.directory} step {step}"
+
+  def _scan(self) -> _Scan:
+    steps, bad, partial = {}, [], []
+    try:
+      names = sorted(os.listdir(self.directory))
+    except FileNotFoundError:
+      return _Scan({}, [], [])
+    except NotADirectoryError:
+      raise NoCheckpointError(f"No complete checkpoint in {self.directory}: it is a file, "
+                              "not a directory") from None
+    for name in names:
+      path = os.path.join(self.directory, name)
+      if _PARTIAL.fullmatch(name):
+        partial.append(name)
+        continue
+      if not name.isascii() or not name.isdigit():
+        continue  # not step-like: the run record, the lock, the user's own files
+      if not _STEP_NAME.fullmatch(name):
+        bad.append((name, "not a step name precision writes"))
+      elif not os.path.isdir(path):
+        bad.append((name, "a file, not a step folder"))
+      elif _integrity.has_manifest(path):
+        steps[int(name)] = True
+      elif _is_legacy(path):
+        steps[int(name)] = False
+      elif not os.listdir(path):
+        bad.append((name, "empty"))
+      else:
+        bad.append((name, f"no {_integrity.MANIFEST}: deleted, or not written by "
+                          "precision.checkpoint"))
+    return _Scan(steps, bad, partial)
 
   def steps(self) -> list[int]:
-    """Steps of the complete checkpoints on disk, ascending."""
-    self._manager.reload()
-    return sorted(self._manager.all_steps())
+    """Steps of the complete checkpoints on disk, ascending (their data not yet verified:
+    `verify` or `restore` does that)."""
+    return sorted(self._scan().steps)
 
   def latest_step(self) -> int | None:
     steps = self.steps()
     return steps[-1] if steps else None
 
-  def save(self, step: int, state: TrainState, *, recipe: Recipe,
-           model_config: dict | None = None, data: Any = None,
-           extra: dict | None = None) -> None:
-    """Writes `state` and its metadata as checkpoint `step` (blocks until on disk)."""
-    if not isinstance(state, TrainState):
-      raise ValueError(f"state must be a precision.checkpoint.TrainState, got {type(state)}")
-    meta = {"format": FORMAT_VERSION, "step": int(step), "recipe": recipe.to_dict(),
-            "model_config": model_config, "data": _json_data(data), "extra": extra}
-    self._manager.save(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-    self._manager.wait_until_finished()
+  def problems(self) -> list[str]:
+    """Step-like folders that are not checkpoints, and why ("'7' (empty)")."""
+    return [f"'{name}' ({why})" for name, why in self._scan().not_checkpoints]
 
-  def _step(self, step: int | None) -> int:
-    steps = self.steps()
-    if not steps:
-      raise FileNotFoundError(f"No complete checkpoint in {self.directory}")
-    if step is None:
-      return steps[-1]
-    if step not in steps:
-      raise ValueError(f"step={step!r} has no checkpoint in {self.directory}; saved: {steps}")
-    return step
+  def run_record(self) -> _owner.RunRecord | None:
+    """The run this directory belongs to (None before the first save)."""
+    return _owner.read(self.directory)
+
+  def verify(self, step: int | None = None) -> None:
+    """Checks the files of checkpoint `step` (latest when None) against their checksums.
+
+    Raises:
+      CheckpointDamagedError naming the first damaged file; NoCheckpointError /
+      ValueError when there is no such step.
+    """
+    step = self._resolve(step)[0]
+    if self._scan().steps[step]:
+      _integrity.verify_files(self._step_dir(step), self._what(step))
+
+  def _resolve(self, step: int | None) -> list[int]:
+    """Candidate steps, newest first: [step] when given, else every complete step."""
+    scan = self._scan()
+    if step is not None:
+      step = _check_step(step)
+      if step not in scan.steps:
+        why = [f"'{n}' ({w})" for n, w in scan.not_checkpoints if n == str(step)]
+        raise ValueError(f"step={step!r} has no checkpoint in {self.directory}"
+                         f"{': folder ' + why[0] if why else ''}; saved: {sorted(scan.steps)}")
+      return [step]
+    if not scan.steps:
+      where = ("the directory does not exist" if not os.path.exists(self.directory) else
+               "no step folder holds a complete save")
+      found = ([f"'{n}' ({w})" for n, w in scan.not_checkpoints]
+               + [f"'{p}' (an unfinished save)" for p in scan.partial])
+      raise NoCheckpointError(f"No complete checkpoint in {self.directory}: {where}"
+                              + (f"; found {', '.join(found)}" if found else ""))
+    return sorted(scan.steps, reverse=True)
 
   def metadata(self, step: int | None = None) -> dict:
-    """The JSON saved with checkpoint `step` (latest when None)."""
-    step = self._step(step)
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-
-  def _saved_shapes(self, step: int) -> dict:
-    tree = self._manager.item_metadata(step)["state"]
-    tree = getattr(tree, "tree", tree)
-    return _tree.shapes_by_path(tree)
+    """The JSON saved with checkpoint `step` (latest when None), checked against its
+    checksum."""
+    step = self._resolve(step)[0]
+    step_dir = self._step_dir(step)
+    if _integrity.has_manifest(step_dir):
+      _integrity.verify_files(step_dir, self._what(step), only=(_META.replace(os.sep, "/"),))
+    try:
+      return _read_meta(step_dir)
+    except (OSError, ValueError) as e:
+      raise CheckpointDamagedError(f"{self._what(step)} is damaged: its metadata cannot be "
+                                   f"read ({e})") from None
 
   def restore(self, target: TrainState, *, step: int | None = None,
               recipe: Recipe | None = None, model_config: dict | None = None,
               optimizer_for: Callable[[Recipe], Any] | None = None,
               mesh: jax.sharding.Mesh | None = None) -> Restored:
-    """Restores checkpoint `step` (latest when None) into the structure of `target`.
+    """Restores checkpoint `step` (the newest intact one when None) into `target`.
+
+    The step's files are checked against the checksums written with them before Orbax
+    reads them, and the restored arrays after. When `step` is None and the newest step
+    is damaged, it is reported (a `CheckpointFallbackWarning` per damaged step, and
+    `Restored.skipped`) and the next older step is tried, down to the oldest.
 
     Args:
       target: a TrainState (arrays or ShapeDtypeStructs, possibly sharded) built for
         `recipe`, or for the saved recipe when `recipe` is None.
+      step: restore exactly this step (a damaged one raises instead of falling back).
       recipe: restore into this recipe. When it differs from the saved one the state is
         converted (see `_convert`), which needs `optimizer_for`.
       model_config: if given, compared with the saved model config.
@@ -148,12 +304,70 @@ class Checkpointer:
       mesh: leaves of `target` without a sharding are restored replicated on `mesh`.
 
     Raises:
+      NoCheckpointError (a FileNotFoundError) when the directory holds no complete step
+      (it is not created); CheckpointDamagedError when no candidate step is intact;
       CheckpointMismatchError (a ValueError) naming the first differing leaf (and model
       config field) when the target does not fit the checkpoint.
     """
-    step = self._step(step)
-    meta = self.metadata(step)
-    saved_recipe = Recipe.from_dict(meta["recipe"])
+    if not isinstance(target, TrainState):
+      raise ValueError(f"target must be a precision.checkpoint.TrainState, got "
+                       f"{type(target).__name__}")
+    candidates = self._resolve(step)
+    skipped: list[str] = []
+    for s in candidates:
+      try:
+        r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh)
+      except CheckpointDamagedError as e:
+        if step is not None:
+          raise
+        skipped.append(str(e))
+        older = [c for c in candidates if c < s]
+        warnings.warn(f"{e}; {'trying step ' + str(older[0]) if older else 'no older step'}",
+                      CheckpointFallbackWarning, stacklevel=2)
+        continue
+      if step is None:
+        # Newer step-like folders that are no checkpoint (a deleted manifest, a stray
+        # folder) are reported too: the newest folder is not what was restored.
+        for name, why in self._scan().not_checkpoints:
+          if int(name) > s:
+            note = f"Checkpoint {self.directory} folder '{name}' is not a checkpoint ({why})"
+            skipped.append(note)
+            warnings.warn(f"{note}; restored step {s}", CheckpointFallbackWarning,
+                          stacklevel=2)
+      return r._replace(skipped=tuple(skipped))
+    raise CheckpointDamagedError(
+        f"No intact checkpoint in {self.directory}: " + " | ".join(skipped))
+
+  def _restore_step(self, step, target, recipe, model_config, optimizer_for,
+                    mesh) -> Restored:
+    what = self._what(step)
+    step_dir = self._step_dir(step)
+    verified = _integrity.has_manifest(step_dir)
+    manifest = _integrity.verify_files(step_dir, what) if verified else None
+    try:
+      meta = _read_meta(step_dir)
+      saved_recipe_dict = meta["recipe"]
+    except (OSError, ValueError, KeyError) as e:
+      raise CheckpointDamagedError(f"{what} is damaged: its metadata cannot be read "
+                                   f"({type(e).__name__}: {e})") from None
+    try:
+      saved_recipe = Recipe.from_dict(saved_recipe_dict)
+    except ValueError as e:
+      if not verified:
+        raise CheckpointDamagedError(f"{what} is damaged: its recipe is invalid ({e})") from None
+      raise ValueError(f"{what}: the saved recipe is invalid: {e}") from None
+    state_dir = os.path.join(step_dir, _STATE)
+
+    def read(fn, *args):
+      try:
+        return fn(*args)
+      except _orbax.OrbaxReadError as e:
+        if verified:  # intact files Orbax cannot read: not damage, so no fallback
+          raise CheckpointError(f"{e} although the files match their checksums") from None
+        raise CheckpointDamagedError(f"{e}: damaged or unreadable") from None
+
+    saved_tree = read(_orbax.item_tree, state_dir, what)
+    saved = _tree.shapes_by_path(saved_tree)
     recipe = saved_recipe if recipe is None else recipe
     abstract = _tree.to_abstract(target)
     if mesh is not None:
@@ -161,22 +375,27 @@ class Checkpointer:
       abstract = jax.tree.map(
           lambda x: x if getattr(x, "sharding", None) is not None else
           jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract)
-    saved = self._saved_shapes(step)
     config_diff = _tree.config_difference(meta.get("model_config"), model_config)
-    converting = recipe.to_dict() != saved_recipe.to_dict()
+    converting = recipe != saved_recipe
 
     def mismatch(diff: str) -> _tree.CheckpointMismatchError:
       head = f"Checkpoint {self.directory} step {step} does not fit the restore target: "
       tail = f"; {config_diff}" if config_diff else ""
       return _tree.CheckpointMismatchError(head + diff + tail)
 
+    def finish(state: TrainState, notes: tuple[str, ...]) -> Restored:
+      return Restored(state, step, recipe, saved_recipe, meta.get("model_config"),
+                      meta.get("data"), meta.get("extra"), notes, meta.get("seed"),
+                      meta.get("run_id"), (), verified)
+
     if not converting:
       diff = _tree.first_difference(saved, _tree.shapes_by_path(abstract))
       if diff is not None or config_diff is not None:
         raise mismatch(diff or "arrays match")
-      state = self._restore_state(step, abstract)
-      return Restored(state, step, recipe, saved_recipe, meta.get("model_config"),
-                      meta.get("data"), meta.get("extra"), ())
+      state = read(_orbax.restore_item, state_dir, abstract, what)
+      if manifest is not None:
+        _integrity.verify_arrays(manifest, state, what)
+      return finish(state, ())
 
     if optimizer_for is None:
       raise ValueError(f"Restoring a {saved_recipe.name} checkpoint into recipe "
@@ -197,14 +416,16 @@ class Checkpointer:
     model_fits = _tree.first_difference(
         {k: v for k, v in saved.items() if k.startswith("model_state/")},
         _tree.shapes_by_path({"model_state": abstract.model_state})) is None
-    saved_model = abstract.model_state if model_fits else _raw_subtree(
-        self._manager.item_metadata(step)["state"], "model_state")
+    saved_model = abstract.model_state if model_fits else _raw_subtree(saved_tree,
+                                                                       "model_state")
     saved_abstract = TrainState(saved_params, saved_opt, saved_model, abstract.rng)
     diff = _tree.first_difference(saved, _tree.shapes_by_path(saved_abstract))
     if diff is not None:
       raise mismatch(f"{diff} (the state saved under {saved_recipe.name} is rebuilt with "
                      "optimizer_for; was the run's inner optimizer the same?)")
-    got = self._restore_state(step, saved_abstract)
+    got = read(_orbax.restore_item, state_dir, saved_abstract, what)
+    if manifest is not None:
+      _integrity.verify_arrays(manifest, got, what)
     params, opt, notes = _convert.convert(got.params, got.opt_state, saved_recipe,
                                           abstract.params, abstract.opt_state, recipe,
                                           optimizer_for(recipe))
@@ -213,44 +434,205 @@ class Checkpointer:
     else:
       model_state = target.model_state
       notes.append("model state (fp8 scaling) of the target kept: the checkpoint's does not fit")
-    state = TrainState(params, opt, model_state, got.rng)
-    return Restored(state, step, recipe, saved_recipe, meta.get("model_config"),
-                    meta.get("data"), meta.get("extra"), tuple(notes))
+    return finish(TrainState(params, opt, model_state, got.rng), tuple(notes))
 
-  def _restore_state(self, step: int, abstract: TrainState) -> TrainState:
-    got = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))
-    return got.state
+  # ------------------------------------------------------------------ writing
+
+  def acquire(self) -> None:
+    """Creates the directory if needed and takes its writer lock (until `close`).
+
+    Leftovers of saves that a killed process never finished are removed (they never
+    were checkpoints); a step moved aside to be replaced is put back if its replacement
+    never arrived.
+
+    Raises:
+      CheckpointLockedError naming the holder when another live process writes here;
+      OSError when the directory cannot be created or written.
+    """
+    if self._lock is not None and self._lock.held:
+      return
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+    except FileExistsError:
+      raise NotADirectoryError(f"Checkpoint directory {self.directory} is a file") from None
+    lock = WriterLock(self.directory)
+    try:
+      record = _owner.read(self.directory)
+    except CheckpointDamagedError:
+      record = None  # reported by claim, under the lock
+    lock.acquire(record.run_id if record else None)
+    self._lock = lock
+    if lock.replaced:
+      warnings.warn(f"Checkpoint directory {self.directory}: took over the writer lock of "
+                    f"{lock.replaced}, which ended without releasing it",
+                    CheckpointWarning, stacklevel=2)
+    self._clean_partial()
+
+  def _clean_partial(self) -> None:
+    names = os.listdir(self.directory)
+    for name in sorted(names):
+      m = _PARTIAL.fullmatch(name)
+      if not m:
+        continue
+      path = os.path.join(self.directory, name)
+      final = self._step_dir(int(m.group(2))) if m.group(1) == "old" else None
+      if final is not None and not os.path.exists(final):
+        os.rename(path, final)  # the replacement never arrived: keep the step it replaced
+      else:
+        shutil.rmtree(path, ignore_errors=True)
+        if m.group(1) != "del":
+          self.cleaned.append(name)
+
+  def claim(self, *, recipe: Recipe, model_config: dict | None = None,
+            seed: int | None = None) -> _owner.RunRecord:
+    """Takes the lock and checks that the directory belongs to this run (recipe, model
+    config, seed), recording it when the directory has no owner yet.
+
+    A directory without a record but with checkpoints (written by an earlier version) is
+    claimed only when its newest step's recipe and model config are this run's.
+
+    Raises:
+      CheckpointOwnershipError naming the first differing field; CheckpointLockedError.
+    """
+    if not isinstance(recipe, Recipe):
+      raise ValueError(f"recipe must be a precision.Recipe, got {type(recipe).__name__}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+      raise ValueError(f"seed={seed!r}; accepted: an integer or None")
+    _check_json("model_config", model_config)
+    self.acquire()
+    record = self._record or _owner.read(self.directory)
+    if record is None:
+      record = self._record_from_steps(recipe, model_config, seed)
+      _owner.write(self.directory, record)
+    diff = _owner.difference(record, recipe, model_config, seed)
+    if diff is not None:
+      raise CheckpointOwnershipError(
+          f"Checkpoint directory {self.directory} belongs to run {record.run_id} "
+          f"(recipe {record.recipe.name}, seed {record.seed}), not to this one: {diff}. "
+          "Use another directory, or continue that run's state explicitly "
+          "(Checkpointer.adopt after a converting restore).")
+    self._record = record
+    return record
+
+  def _record_from_steps(self, recipe, model_config, seed) -> _owner.RunRecord:
+    steps = self.steps()
+    if steps:
+      try:
+        meta = _read_meta(self._step_dir(steps[-1]))
+        saved = Recipe.from_dict(meta["recipe"])
+        legacy = _owner.create(saved, meta.get("model_config"), meta.get("seed"))
+      except (OSError, ValueError, KeyError):
+        legacy = None
+      if legacy is not None:
+        diff = _owner.difference(legacy, recipe, model_config, seed)
+        if diff is not None:
+          raise CheckpointOwnershipError(
+              f"Checkpoint directory {self.directory} holds the checkpoints of another run "
+              f"(newest: step {steps[-1]}): {diff}. Use another directory.")
+    return _owner.create(recipe, model_config, seed)
+
+  def adopt(self, *, recipe: Recipe, model_config: dict | None = None,
+            seed: int | None = None, reason: str) -> _owner.RunRecord:
+    """Makes this run the directory's owner, explicitly: after a restore that converted
+    another run's state (other recipe or seed) on purpose. The previous owner is kept in
+    the record's history with `reason`.
+    """
+    if not isinstance(reason, str) or not reason.strip():
+      raise ValueError(f"reason={reason!r}; accepted: a non-empty string saying why")
+    self.acquire()
+    old = _owner.read(self.directory)
+    record = (_owner.create(recipe, model_config, seed) if old is None else
+              _owner.adopted(old, recipe, model_config, seed, reason))
+    _owner.write(self.directory, record)
+    self._record = record
+    return self.claim(recipe=recipe, model_config=model_config, seed=seed)
+
+  def save(self, step: int, state: TrainState, *, recipe: Recipe,
+           model_config: dict | None = None, seed: int | None = None, data: Any = None,
+           extra: dict | None = None) -> None:
+    """Writes `state` and its metadata as checkpoint `step` (blocks until on disk).
+
+    The first save takes the writer lock and checks or records the directory's run
+    (`claim`). The step is complete on disk, checksums included, before it replaces an
+    existing folder of the same step; then the oldest steps beyond `keep`, and any step
+    newer than `step` (the abandoned future of a run resumed from an older step), are
+    deleted.
+    """
+    step = _check_step(step)
+    if not isinstance(state, TrainState):
+      raise ValueError(f"state must be a precision.checkpoint.TrainState, got "
+                       f"{type(state).__name__}")
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+          f"precision.checkpoint writes from one process; this job has "
+          f"{jax.process_count()} (checksums and the atomic rename need every array on "
+          "this host)")
+    _check_json("extra", extra)
+    record = self.claim(recipe=recipe, model_config=model_config, seed=seed)
+    meta = {"format": FORMAT_VERSION, "step": step, "recipe": recipe.to_dict(),
+            "model_config": model_config, "seed": None if seed is None else int(seed),
+            "run_id": record.run_id, "data": _json_data(data), "extra": extra}
+    _check_json("meta", meta)
+    tmp = os.path.join(self.directory, f".tmp-{step}-{uuid.uuid4().hex[:8]}")
+    final = self._step_dir(step)
+    os.makedirs(tmp)
+    try:
+      arrays = _integrity.array_digests(state)
+      _orbax.save_item(os.path.join(tmp, _STATE), state)
+      os.makedirs(os.path.join(tmp, "meta"))
+      _integrity.write_json(os.path.join(tmp, _META), meta)
+      _integrity.write_manifest(tmp, step, arrays)
+      _integrity.fsync_dir(tmp)
+      old = None
+      if os.path.lexists(final):
+        old = os.path.join(self.directory, f".old-{step}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+      os.rename(tmp, final)
+      _integrity.fsync_dir(self.directory)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    if old is not None:
+      shutil.rmtree(old, ignore_errors=True)
+    self._retain(step)
+
+  def _retain(self, step: int) -> None:
+    steps = self.steps()
+    kept = [s for s in steps if s <= step][-self.keep:]
+    for s in steps:
+      if s not in kept:
+        doomed = os.path.join(self.directory, f".del-{s}-{uuid.uuid4().hex[:8]}")
+        os.rename(self._step_dir(s), doomed)  # never a half-deleted step folder
+        shutil.rmtree(doomed, ignore_errors=True)
 
   def close(self) -> None:
-    self._manager.close()
+    """Releases the writer lock (if held). Reading needs no close."""
+    if self._lock is not None:
+      self._lock.release()
+      self._lock = None
+    self._record = None
 
 
-def _raw_subtree(metadata: Any, key: str) -> Any:
-  tree = getattr(metadata, "tree", metadata)
+def _raw_subtree(tree: Any, key: str) -> Any:
   return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[key],
                       is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
 def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: Recipe,
-         model_config: dict | None = None, data: Any = None, extra: dict | None = None,
-         keep: int = 3) -> None:
-  """One-shot `Checkpointer(directory, keep=keep).save(...)`."""
-  ckpt = Checkpointer(directory, keep=keep)
-  try:
-    ckpt.save(step, state, recipe=recipe, model_config=model_config, data=data, extra=extra)
-  finally:
-    ckpt.close()
+         model_config: dict | None = None, seed: int | None = None, data: Any = None,
+         extra: dict | None = None, keep: int = 3) -> None:
+  """One-shot `Checkpointer(directory, keep=keep).save(...)` (lock released after)."""
+  with Checkpointer(directory, keep=keep) as ckpt:
+    ckpt.save(step, state, recipe=recipe, model_config=model_config, seed=seed, data=data,
+              extra=extra)
 
 
 def restore(directory: str | os.PathLike, target: TrainState, *, step: int | None = None,
             recipe: Recipe | None = None, model_config: dict | None = None,
             optimizer_for: Callable[[Recipe], Any] | None = None,
             mesh: jax.sharding.Mesh | None = None) -> Restored:
-  """One-shot `Checkpointer(directory).restore(...)`; see `Checkpointer.restore`."""
-  ckpt = Checkpointer(directory)
-  try:
-    return ckpt.restore(target, step=step, recipe=recipe, model_config=model_config,
-                        optimizer_for=optimizer_for, mesh=mesh)
-  finally:
-    ckpt.close()
+  """One-shot `Checkpointer(directory).restore(...)`; see `Checkpointer.restore`. Creates
+  nothing: a missing directory raises NoCheckpointError."""
+  return Checkpointer(directory).restore(target, step=step, recipe=recipe,
+                                         model_config=model_config,
+                                         optimizer_for=optimizer_for, mesh=mesh)

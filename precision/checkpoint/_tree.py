@@ -7,9 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-
-class CheckpointMismatchError(ValueError):
-  """The restore target does not have the checkpoint's structure, shapes or dtypes."""
+from precision.checkpoint._errors import CheckpointMismatchError  # noqa: F401  (re-export)
 
 
 def _key_name(k: Any) -> str:

@@ -1,0 +1,41 @@
+"""The errors and the warning of precision.checkpoint.
+
+Each says what happened to which directory and step and what to do about it. The classes
+also derive from the builtin a caller would catch without knowing them: a missing
+checkpoint is a FileNotFoundError, a mismatched target or a foreign run a ValueError.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+  """Base class of the checkpoint errors below."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+  """The directory holds no complete checkpoint (missing, empty, or only unfinished saves)."""
+
+
+class CheckpointDamagedError(CheckpointError):
+  """A checkpoint's files or arrays differ from the checksums written with them, or its
+  files cannot be read: it was damaged after it was written."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+  """The restore target does not have the checkpoint's structure, shapes or dtypes."""
+
+
+class CheckpointLockedError(CheckpointError):
+  """Another live process holds the directory's writer lock."""
+
+
+class CheckpointOwnershipError(CheckpointError, ValueError):
+  """The directory belongs to another run (recipe, model config or seed differ)."""
+
+
+class CheckpointWarning(UserWarning):
+  """Something about a checkpoint directory a user should know, that stopped nothing."""
+
+
+class CheckpointFallbackWarning(CheckpointWarning):
+  """`restore` passed over a damaged newer step and restored an older intact one."""
