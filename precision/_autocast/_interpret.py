@@ -90,17 +90,19 @@ def eval_jaxpr(env: Env, jaxpr, consts, args, prefix: str = "") -> list:
     vals[v] = x
   for v, x in zip(jaxpr.invars, args):
     vals[v] = x
-  regions = _regions.plan(jaxpr, env, prefix, lambda e: _below_f32_at(env, e, prefix)) \
-      if env.recompute_f32 else {}
-  i = 0
-  while i < len(jaxpr.eqns):
-    region = regions.get(i)
-    if region is None:
-      _eval_eqn(env, jaxpr.eqns[i], vals, prefix)
-      i += 1
-      continue
-    _eval_region(env, jaxpr.eqns[region.start:region.stop], region, vals, prefix)
-    i = region.stop
+  regions = _regions.plan(jaxpr, env, lambda e: _below_f32_at(env, e, prefix)) \
+      if env.recompute_f32 else []
+  deferred = {i for r in regions for i in r.members}
+  due: dict[int, list] = {}
+  for r in regions:
+    due.setdefault(r.at, []).append(r)
+  for i, eqn in enumerate(jaxpr.eqns):
+    for r in due.get(i, ()):
+      _eval_region(env, [jaxpr.eqns[k] for k in r.members], r, vals, prefix)
+    if i not in deferred:
+      _eval_eqn(env, eqn, vals, prefix)
+  for r in due.get(len(jaxpr.eqns), ()):
+    _eval_region(env, [jaxpr.eqns[k] for k in r.members], r, vals, prefix)
   return [_read(vals, v) for v in jaxpr.outvars]
 
 
