@@ -1,6 +1,6 @@
 """Model FLOPs utilisation: FLOPs per token and the devices' dense peak rates.
 
-FLOPs per token follow llm.c (seed 002, `gpt2_estimate_mfu`, after the PaLM paper):
+FLOPs per token follow llm.c (`gpt2_estimate_mfu`, after the PaLM paper):
 6 N (forward + backward of every weight) + 6 L C T (attention scores and values),
 with N parameters, L layers, C channels and T the sequence length.
 

@@ -6,7 +6,7 @@ a bf16 operand, so two of the three GEMMs of every layer run as f32 x bf16 (jax 
 34330) and XLA executes them in f32. The custom VJP here rounds the incoming cotangent to
 the compute dtype once, so both backward GEMMs also take compute-dtype operands and
 accumulate in f32 (`preferred_element_type=float32`), as cuBLAS/cuDNN mixed-precision
-training does (seeds 002/003: "bf16 in, f32 accumulate").
+training does ("bf16 in, f32 accumulate").
 
 Gradients leave the backward GEMMs straight from the f32 accumulator in the dtype of the
 primal operand: an f32 kernel gets an f32 gradient that was never rounded to bf16, a bf16

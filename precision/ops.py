@@ -17,7 +17,7 @@ row reductions, as FlashAttention recomputes its probabilities). f32 inputs take
 path: an fp32 policy stays bit-identical to a model written without the library.
 `rotary_embedding` is linear in x: its VJP keeps only the positions, whatever the dtype.
 
-| op                 | computes in | returns        | why f32 (PyTorch autocast fp32 list, seeds 000-003) |
+| op                 | computes in | returns        | why f32 (PyTorch autocast's fp32 list, LLM precision maps) |
 |--------------------|-------------|----------------|------------------------------------------------------|
 | softmax            | f32         | input dtype    | exp and a long sum; bf16 sums lose small terms      |
 | log_softmax        | f32         | input dtype    | log of a sum, as above                               |

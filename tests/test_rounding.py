@@ -265,7 +265,7 @@ def test_determinism_and_independence():
 
 
 def test_swamping_with_stochastic_rounding():
-  """Seed 004: weight 1.0 plus 1e-5 per step for 100,000 steps. Nearest bf16 stays 1.0;
+  """Swamping: weight 1.0 plus 1e-5 per step for 100,000 steps. Nearest bf16 stays 1.0;
   stochastic rounding reaches 2.0 in expectation. Each step adds variance
   p(1-p) ulp**2 <= 1e-5 * ulp <= 1e-5 * 2**-6 (weights < 4), so one weight has standard
   deviation <= sqrt(1e5 * 1e-5 / 64) = 1/8, and the mean of 64 independent weights 1/64:

@@ -33,7 +33,7 @@ def _counter_str(counter, fmt) -> str:
 
 
 def precision_map(report) -> str:
-  """One screen, in the spirit of seeds 002/003: what runs in which precision."""
+  """One screen: what runs in which precision (GEMMs, reductions, islands, converts)."""
   rows = []
   for direction in ("fwd", "bwd"):
     sigs = report.gemm_signatures(direction)
