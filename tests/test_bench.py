@@ -30,6 +30,7 @@ def quick(tmp_path_factory):
     return json.load(f), (out / "bench.md").read_text()
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_every_section_and_field(quick):
   res, md = quick
   for section in bench.SECTIONS:
@@ -81,6 +82,7 @@ def test_every_section_and_field(quick):
   assert "## ZeRO stages" in md and "## Policy wrapper" in md
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_gpu_check_dry_run(tmp_path):
   assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
   with open(tmp_path / "gpu_check.json") as f:

@@ -443,6 +443,7 @@ def test_apply_fp8_paths_and_patterns():
   assert model.blocks[0].up.dot_general is before
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_sync_fp8_state_agrees_across_ranks():
   from jax.sharding import Mesh, PartitionSpec as P
 

@@ -150,6 +150,7 @@ def test_report_only_rebuilds_the_same_rows(quick, tmp_path):
   assert sweep.main(["--report-only", "--out", str(copy)]) == 0
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_two_slices_merge_to_the_single_run(quick, sharded):
   out1, single = quick
   out2, merged = sharded

@@ -124,6 +124,7 @@ train.main(sys.argv[2:])
 """
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_sigkill_mid_save_then_resume(tmp_path):
   ckpt_dir, sentinel = tmp_path / "ckpt", tmp_path / "saving"
   args = ["--recipe", "fp32", "--model", "tiny", "--steps", "3", "--batch", str(BATCH),
