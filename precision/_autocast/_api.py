@@ -210,8 +210,8 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   # the caller casts; NNX state written back keeps each variable's own dtype.
   traced_dtypes = [_interpret.R.as_dtype(v.aval.dtype) for v in closed.jaxpr.outvars]
   result, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
+  n_result = len(jax.tree_util.tree_leaves(result))
   if nodes:
-    n_result = len(jax.tree_util.tree_leaves(result))
     state_leaves = jax.tree_util.tree_leaves(new_state)
     state_leaves = [_interpret.R.cast(x, d) if _interpret.R.is_float(d) else x
                     for x, d in zip(state_leaves, traced_dtypes[n_result:])]
@@ -220,7 +220,6 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
     nnx.update(tuple(nodes), new_state)
   if check_overrides:
     _check_overrides(spec, env)
-  n_result = len(jax.tree_util.tree_leaves(result))
   return Traced(result, traced_dtypes[:n_result], env)
 
 
