@@ -160,6 +160,16 @@ def _check_keys(path: str, d: Any, cls: type, optional: tuple[str, ...] = ()) ->
                      f"a {cls.__name__} dict needs every field: {', '.join(fields)}")
 
 
+def _config_from_dict(cls: type, d: Any, path: str) -> Any:
+  """A config dataclass from its dict: exact keys, every field set, then validated."""
+  _check_keys(path, d, cls)
+  obj = cls.__new__(cls)
+  for f in dataclasses.fields(cls):
+    _set(obj, f.name, d[f.name])
+  obj._validate(path)  # pylint: disable=protected-access
+  return obj
+
+
 def _set(obj: Any, name: str, value: Any) -> None:
   object.__setattr__(obj, name, value)
 
@@ -247,12 +257,7 @@ class LossScaleConfig:
       ValueError: naming the field path (e.g. ``loss_scale.hysteresis``), the value and
         what is accepted, for an unknown or missing field or a bad value.
     """
-    _check_keys(path, d, cls)
-    obj = cls.__new__(cls)
-    for f in dataclasses.fields(cls):
-      _set(obj, f.name, d[f.name])
-    obj._validate(path)  # pylint: disable=protected-access
-    return obj
+    return _config_from_dict(cls, d, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,12 +325,7 @@ class Fp8Config:
       ValueError: naming the field path (e.g. ``fp8.keep_high_precision[0]``), the value
         and what is accepted.
     """
-    _check_keys(path, d, cls)
-    obj = cls.__new__(cls)
-    for f in dataclasses.fields(cls):
-      _set(obj, f.name, d[f.name])
-    obj._validate(path)  # pylint: disable=protected-access
-    return obj
+    return _config_from_dict(cls, d, path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,12 +56,7 @@ def array_digest(x: Any) -> str:
 def array_digests(tree: Any) -> dict[str, dict]:
   """{leaf path: {"dtype", "shape", "sha256"}} for every array leaf of `tree`."""
   out = {}
-  leaves = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
-  for path, leaf in leaves:
-    if leaf is None:
-      continue
-    name = _tree.leaf_path(path)
+  for name, leaf in _tree.array_leaves(tree):
     if name in out:
       raise ValueError(f"Two leaves of the state share the path '{name}'; checkpoint leaf "
                        "paths must be unique")

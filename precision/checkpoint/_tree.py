@@ -23,17 +23,18 @@ def leaf_path(path: tuple) -> str:
   return "/".join(n for n in names if n != "value")
 
 
-def shapes_by_path(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-  """{leaf path: (shape, dtype)} in flatten order, for arrays, ShapeDtypeStructs or orbax
-  ArrayMetadata leaves (anything with .shape and .dtype)."""
-  out = {}
+def array_leaves(tree: Any) -> list[tuple[str, Any]]:
+  """(leaf path, leaf) in flatten order for the array-like leaves of `tree` (arrays,
+  ShapeDtypeStructs, orbax ArrayMetadata: anything with .shape and .dtype); None skipped."""
   leaves = jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
-  for path, leaf in leaves:
-    if leaf is None:
-      continue
-    out[leaf_path(path)] = (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
-  return out
+  return [(leaf_path(path), leaf) for path, leaf in leaves if leaf is not None]
+
+
+def shapes_by_path(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """{leaf path: (shape, dtype)} in flatten order (see `array_leaves`)."""
+  return {name: (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
+          for name, leaf in array_leaves(tree)}
 
 
 def first_difference(saved: dict, target: dict, *, compare_dtype: bool = True) -> str | None:
