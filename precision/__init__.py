@@ -2,8 +2,9 @@
 
 Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `autocast`
 (a policy or recipe applied to any JAX function), float-format facts
-(`precision.formats`), the faithful-rounding switch, stochastic rounding, and the
-subpackages flax, audit, optim, fp8, parallel, checkpoint.
+(`precision.formats`), the faithful-rounding switch, stochastic rounding, `TrainState`
+(what checkpoints and data parallelism carry), and the subpackages flax, audit, optim,
+fp8, parallel, checkpoint.
 """
 
 from precision import _autocast
@@ -32,6 +33,7 @@ from precision._recipe import LossScaleConfig
 from precision._recipe import PRESETS
 from precision._recipe import Recipe
 from precision._recipe import get_recipe
+from precision._state import TrainState
 from precision.rounding import stochastic_round
 from precision.optim import DynamicLossScale
 from precision.optim import LossScale
@@ -59,6 +61,7 @@ __all__ = [
     "PrecisionViolation",
     "Policy",
     "Recipe",
+    "TrainState",
     "cast_floating",
     "checkpoint",
     "dtype_name",
