@@ -17,6 +17,7 @@ same for fp32, bf16, f16 with loss scaling and fp8:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -103,12 +104,15 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
     # Read here, at call time: `loss_scale_of` also marks this thread as having scaled
     # the loss, which the next loss-scaling update takes (precision.optim._guard).
     scale = optim.loss_scale_of(opt_state)
-    scaled = _scaled_loss(fn, scale, has_aux)
+    # Keyword arguments are bound here, never differentiated: nnx's transforms cannot map
+    # keywords of a function taking *args to positions.
+    bound = functools.partial(fn, **kwargs) if kwargs else fn
+    scaled = _scaled_loss(bound, scale, has_aux)
     if isinstance(model_or_params, nnx.Module):
       vg = fp8.value_and_grad(scaled, has_aux=True)
     else:
       vg = jax.value_and_grad(scaled, has_aux=True)
-    (_, (loss, aux)), grads = vg(model_or_params, *args, **kwargs)
+    (_, (loss, aux)), grads = vg(model_or_params, *args)
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapped

@@ -150,6 +150,10 @@ def test_eager_and_jitted_steps_agree(data):
   jitted, _, _ = _train("fp8_hybrid", data, steps=2)
   np.testing.assert_allclose(eager, jitted, rtol=1e-4)
   assert eager[-1] < eager[0]
+  # The batch by keyword: bound to loss_fn, not differentiated.
+  expected = float(loss_fn(nnx.clone(eager_model), x, y))    # the loss before the update
+  loss, _ = mp.train_step(eager_model, tx, opt_state, loss_fn, x, y=y)
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
 
 
 def test_params_pytree_grads_are_scaled_and_loss_is_not():
