@@ -1,5 +1,6 @@
 """precision.parallel on 8 forced host CPU devices: ZeRO 0-3 against single-device
-training, collective dtypes, memory, overflow in the reduction, pmap and jax.distributed."""
+training, collective dtypes, memory, overflow in the reduction, pmap and jax.distributed,
+checkpoints resumed on the same and on another device count, host batches."""
 
 import os
 import socket
