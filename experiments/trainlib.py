@@ -2,10 +2,10 @@
 
 `train(TrainConfig(...)) -> dict` runs one training run and returns its summary (with
 every step's metrics under "history"); `experiments/train.py` is the CLI over it and the
-sweep calls it once per recipe and seed. One step follows the train-step protocol of
-`precision.optim` (loss scaled in f32, guard unscales/checks/skips inside the optimizer,
-exact rounding into the params) in one jitted function whose params, model state and
-optimizer state are donated.
+sweep calls it once per recipe and seed. One step is `precision.train_step` (loss scaled
+in f32, guard unscales/checks/skips inside the optimizer, exact rounding into the params,
+fp8 state rolled back with a skipped step) in one jitted function whose params, model
+state and optimizer state are donated.
 
 Reproducibility: everything a step depends on is (params, model_state, opt_state, batch);
 the batch is a pure function of the sampler state (seed, step); stochastic rounding draws
@@ -234,31 +234,16 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
     return loss, nnx.state(model, nnx.Not(nnx.Param))
 
   def step(params, model_state, opt_state, tokens):
-    scale = mp.optim.loss_scale_of(opt_state)
-    # The state before the step, for a rollback: nnx.merge shares model_state's Variables
-    # with the model, whose calls update them in place; the tree map copies them.
-    state_before = jax.tree.map(lambda x: x, model_state)
+    # mp.train_step: the loss scaled by the optimizer's loss scale in f32, the fp8
+    # gradient-direction (E5M2) scaling state carried out of the backward pass, the
+    # update applied with exact rounding, and the fp8 scaling state rolled back with a
+    # step the guard skips (params and optimizer state stay as they were).
     model = nnx.merge(graphdef, params, model_state)
-
-    def scaled(m):
-      loss = gpt_lib.loss_fn(m, tokens)
-      return loss * scale.astype(jnp.float32), loss  # f32 loss x scale
-
-    # mp.fp8.value_and_grad is nnx.value_and_grad over the Params that also writes the fp8
-    # gradient-direction (E5M2) scaling state, which only the backward pass can see; for
-    # models without fp8 GEMMs it is the plain one.
-    (_, loss), grads = mp.fp8.value_and_grad(scaled, has_aux=True)(model)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    # A step the guard skips leaves params and optimizer state as they were; the fp8
-    # scaling state (in the model) rolls back with it.
-    new_model_state = mp.fp8.rollback_fp8_state(
-        nnx.state(model, nnx.Not(nnx.Param)), state_before,
-        mp.optim.step_skipped(opt_state, new_opt_state))
-    opt_state = new_opt_state
-    params = mp.optim.apply_updates(params, updates)
+    loss, opt_state = mp.train_step(model, tx, opt_state, gpt_lib.loss_fn, tokens)
+    _, params, model_state = nnx.split(model, nnx.Param, ...)
     metrics = dict(mp.optim.optimizer_metrics(opt_state))
     metrics["loss"] = loss
-    return params, new_model_state, opt_state, metrics
+    return params, model_state, opt_state, metrics
 
   step_fn = jax.jit(step, donate_argnums=(0, 1, 2))
   eval_fn = jax.jit(lambda p, s, t: loss_of(p, s, t)[0])

@@ -2,8 +2,10 @@
 
 Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `autocast`
 (a policy or recipe applied to any JAX function), float-format facts
-(`precision.formats`), the faithful-rounding switch, stochastic rounding, and the
-subpackages flax, audit, optim, fp8, parallel, checkpoint.
+(`precision.formats`), the faithful-rounding switch, stochastic rounding, the training
+step of every recipe (`value_and_grad`, `train_step`), `TrainState` (what checkpoints
+and data parallelism carry), and the subpackages flax, audit, optim, fp8, parallel,
+checkpoint.
 """
 
 from precision import _autocast
@@ -32,6 +34,9 @@ from precision._recipe import LossScaleConfig
 from precision._recipe import PRESETS
 from precision._recipe import Recipe
 from precision._recipe import get_recipe
+from precision._state import TrainState
+from precision._train import train_step
+from precision._train import value_and_grad
 from precision.rounding import stochastic_round
 from precision.optim import DynamicLossScale
 from precision.optim import LossScale
@@ -59,6 +64,7 @@ __all__ = [
     "PrecisionViolation",
     "Policy",
     "Recipe",
+    "TrainState",
     "cast_floating",
     "checkpoint",
     "dtype_name",
@@ -75,4 +81,6 @@ __all__ = [
     "parse_dtype",
     "rounding",
     "stochastic_round",
+    "train_step",
+    "value_and_grad",
 ]

@@ -202,3 +202,30 @@ def test_import_orbax_finds_the_params_and_names_every_problem(tmp_path):
     with pytest.raises(err, match=match):
       checkpoint.import_orbax(path, tgt, recipe, optimizer=tx, **kw)
   assert not (tmp_path / "missing").exists()
+
+
+def test_one_train_state_type_with_the_paths_of_the_earlier_namedtuple(tmp_path):
+  """precision.TrainState is the one state type (checkpoint, parallel), and a checkpoint
+  item written from the earlier NamedTuple TrainState (the same field names) restores
+  into it: Orbax and the checksums key leaves by path, and the paths are the same."""
+  from typing import Any, NamedTuple  # pylint: disable=g-import-not-at-top
+  from precision.checkpoint import _integrity, _orbax, _tree
+
+  class EarlierTrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+    model_state: Any
+    rng: Any
+
+  assert checkpoint.TrainState is mp.TrainState is mp.parallel.TrainState
+  state = _trained("bf16_master")
+  earlier = EarlierTrainState(state.params, state.opt_state, state.model_state, state.rng)
+  assert _integrity.array_digests(earlier) == _integrity.array_digests(state)
+  _orbax.save_item(str(tmp_path / "item"), earlier)
+  got = _orbax.restore_item(str(tmp_path / "item"), _tree.to_abstract(state), "item")
+  assert isinstance(got, mp.TrainState)
+  _assert_tree_equal(got, state)
+  moved = state._replace(rng=state.rng + 1)                  # NamedTuple's API kept
+  assert moved.params is state.params and int(moved.rng[0]) == int(state.rng[0]) + 1
+  with pytest.raises(ValueError, match="accepted fields"):
+    state._replace(fp8=1)

@@ -21,8 +21,14 @@ Examples:
   ...                        optimizer_for=lambda rc: mp.optim.build_optimizer(rc, inner))
   >>> print(r.converted)
   >>> imported = checkpoint.import_orbax("/path/to/orbax_ckpt", state, recipe, optimizer=tx)
+
+`TrainState` is `precision.TrainState`, the one state type of the package: a
+`precision.parallel.DataParallel` state is saved as ``dp.state_for_checkpoint(state)``
+(full shapes, any device count resumes it) and handed back with
+``dp.state_from_checkpoint(restored.state)``.
 """
 
+from precision._state import TrainState
 from precision.checkpoint._errors import CheckpointDamagedError
 from precision.checkpoint._errors import CheckpointError
 from precision.checkpoint._errors import CheckpointFallbackWarning
@@ -35,7 +41,6 @@ from precision.checkpoint._import import Imported
 from precision.checkpoint._import import import_orbax
 from precision.checkpoint._manager import Checkpointer
 from precision.checkpoint._manager import Restored
-from precision.checkpoint._manager import TrainState
 from precision.checkpoint._manager import restore
 from precision.checkpoint._manager import save
 from precision.checkpoint._owner import RunRecord

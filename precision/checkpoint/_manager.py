@@ -41,6 +41,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from precision._recipe import Recipe
+from precision._state import TrainState
 from precision.checkpoint import _convert
 from precision.checkpoint import _integrity
 from precision.checkpoint import _orbax
@@ -61,21 +62,6 @@ _LEGACY_FORMAT = 1
 _STATE, _META = "state", os.path.join("meta", "metadata")
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 _PARTIAL = re.compile(r"\.(tmp|old|del)-([0-9]+)-[0-9a-f]+|([0-9]+)\.orbax-checkpoint-tmp.*")
-
-
-class TrainState(NamedTuple):
-  """Everything of a training run that lives in arrays.
-
-  params: the trainable params (e.g. ``nnx.state(model, nnx.Param)``), in the recipe's
-    param dtype. opt_state: the optimizer state of `precision.optim.build_optimizer`.
-    model_state: the model's other variables (fp8 scaling state), any pytree ({} if none).
-    rng: uint32 PRNG key data (``jax.random.key_data(key)``), not a typed key.
-  """
-
-  params: Any
-  opt_state: Any
-  model_state: Any
-  rng: Any
 
 
 class Restored(NamedTuple):
@@ -118,6 +104,20 @@ def _check_json(what: str, value: Any) -> None:
   except (TypeError, ValueError) as e:
     raise ValueError(f"{what}={value!r} cannot be saved as strict JSON ({e}); accepted: "
                      "dicts/lists of str, finite numbers, bools and None") from None
+
+
+def _check_state(what: str, state: Any) -> None:
+  """A TrainState in full shapes, or ValueError saying what to pass instead."""
+  if not isinstance(state, TrainState):
+    raise ValueError(f"{what} must be a precision.TrainState, got {type(state).__name__}")
+  if state.layout is not None:
+    # A DataParallel state holds shards laid out for one device count; a checkpoint holds
+    # full shapes, so that any device count (or one device) can resume from it.
+    raise ValueError(
+        f"{what} is a DataParallel state (params and optimizer state sharded over "
+        f"{getattr(state.layout, 'devices', '?')} devices, layout set); accepted: a state in "
+        "full shapes: pass dp.state_for_checkpoint(state), and hand a restored state back "
+        "with dp.state_from_checkpoint(restored.state)")
 
 
 def _check_step(step: Any) -> int:
@@ -309,9 +309,7 @@ class Checkpointer:
       CheckpointMismatchError (a ValueError) naming the first differing leaf (and model
       config field) when the target does not fit the checkpoint.
     """
-    if not isinstance(target, TrainState):
-      raise ValueError(f"target must be a precision.checkpoint.TrainState, got "
-                       f"{type(target).__name__}")
+    _check_state("target", target)
     candidates = self._resolve(step)
     skipped: list[str] = []
     for s in candidates:
@@ -559,9 +557,7 @@ class Checkpointer:
     deleted.
     """
     step = _check_step(step)
-    if not isinstance(state, TrainState):
-      raise ValueError(f"state must be a precision.checkpoint.TrainState, got "
-                       f"{type(state).__name__}")
+    _check_state("state", state)
     if jax.process_count() > 1:
       raise NotImplementedError(
           f"precision.checkpoint writes from one process; this job has "

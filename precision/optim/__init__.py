@@ -8,7 +8,9 @@ moment dtypes (`moment_dtypes`), f32 global norm and clipping, and `build_optimi
 assembles all of it from a Recipe. Apply updates with `apply_updates` (exact rounding under
 strict promotion).
 
-The train-step protocol:
+The train-step protocol (`precision.train_step` and `precision.value_and_grad` do the
+first two lines for NNX models and param pytrees; an update whose grads were computed
+without reading the scale warns once, `UnscaledGradientsWarning`):
   >>> scale = loss_scale_of(opt_state)
   >>> loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch) * scale)(params)
   >>> updates, opt_state = tx.update(grads, opt_state, params)
@@ -26,6 +28,7 @@ from precision.optim._direct import f32_update
 from precision.optim._direct import stochastic_updates
 from precision.optim._guard import GuardState
 from precision.optim._guard import NonFiniteStreakError
+from precision.optim._guard import UnscaledGradientsWarning
 from precision.optim._guard import check_nonfinite_streak
 from precision.optim._guard import loss_scaling
 from precision.optim._guard import skip_nonfinite
@@ -62,6 +65,7 @@ __all__ = [
     "RemainderState",
     "StaticLossScale",
     "StochasticState",
+    "UnscaledGradientsWarning",
     "all_finite",
     "apply_updates",
     "build_optimizer",

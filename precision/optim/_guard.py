@@ -5,10 +5,20 @@ A skipped step returns updates of -0.0 (``x + -0.0 == x`` bit for bit for every 
 -0.0 included, where ``-0.0 + +0.0`` would flip a sign bit) and selects the previous inner
 state leaf by leaf with `jnp.where`, never `lax.cond` (optax issue 377: cond breaks on
 bf16 trees), so params and inner state stay bit-identical.
+
+Unscaled gradients are detectable: the guard of a loss-scaling optimizer divides the grads
+by the scale whatever they are, so grads computed WITHOUT multiplying the loss by it come
+out `scale` times too small (SGD stalls; Adam, scale-invariant, hides it). Reading the
+scale (`precision.optim.loss_scale_of`, which `precision.value_and_grad`,
+`precision.train_step`, `scaled_value_and_grad` and `precision.parallel` call) marks the
+calling thread; the loss-scaling update takes the mark, and warns once per process
+(`UnscaledGradientsWarning`) when it is traced without one since the previous update.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +30,62 @@ from precision.optim import _clip
 from precision.optim import _loss_scale
 from precision.optim import _compat
 from precision.optim import _tree
+
+
+class UnscaledGradientsWarning(UserWarning):
+  """A loss-scaling optimizer was updated with grads computed without reading its scale."""
+
+
+class _ScaleReads(threading.local):
+  """Per thread: whether the loss scale was read since the last loss-scaling update."""
+
+  def __init__(self):
+    super().__init__()
+    self.pending = False
+
+
+_SCALE_READS = _ScaleReads()
+_warned = False  # the warning is shown once per process
+
+
+def note_scale_read() -> None:
+  """Marks this thread: the loss scale was read to scale a loss (`loss_scale_of`)."""
+  _SCALE_READS.pending = True
+
+
+def _trivial_scale(loss_scale: Any) -> bool:
+  """True when unscaling cannot change the grads: no loss scale, or one known to be 1."""
+  if isinstance(loss_scale, _loss_scale.NoOpLossScale):
+    return True
+  value = getattr(loss_scale, "loss_scale", None)
+  if isinstance(value, jax.core.Tracer) or value is None:
+    return False  # traced: its value is unknown here, so it counts as a real scale
+  try:
+    return float(np.asarray(value, np.float64)) == 1.0
+  except (TypeError, ValueError):
+    return False
+
+
+def _take_scale_read(loss_scale: Any) -> None:
+  """Called by a loss-scaling update while it is traced: consumes this thread's mark, or
+  warns (once per process) that the grads were computed without reading the scale."""
+  global _warned
+  if _trivial_scale(loss_scale):
+    return
+  read, _SCALE_READS.pending = _SCALE_READS.pending, False
+  if read or _warned:
+    return
+  _warned = True
+  warnings.warn(
+      f"precision.optim: tx.update of a loss-scaling optimizer ({type(loss_scale).__name__}) "
+      "got gradients computed without reading the loss scale since its previous update. "
+      "The optimizer divides them by the scale (2**15 by default), so unless the loss was "
+      "multiplied by it they are that many times too small and training stalls (SGD) or "
+      "is silently mis-scaled. Compute them with precision.value_and_grad(loss_fn, "
+      "opt_state) or precision.train_step, or multiply the loss by "
+      "precision.optim.loss_scale_of(opt_state) before differentiating. (Shown once per "
+      "process; with two loss-scaled optimizers, read each scale after the other's "
+      "update.)", UnscaledGradientsWarning, stacklevel=3)
 
 
 class GuardState(NamedTuple):
@@ -55,6 +121,7 @@ def _guard(inner, loss_scale, axis_name, skip):
     return GuardState(inner.init(params), loss_scale, z, z, z, z, jnp.zeros((), jnp.float32))
 
   def update_fn(grads, state, params=None):
+    _take_scale_read(state.loss_scale)
     grads = state.loss_scale.unscale(grads)
     finite = _tree.all_finite(grads)
     if axis_name is not None:
@@ -93,7 +160,10 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any,
     axis_name: when `update` runs inside shard_map/pmap on shards of the grads, the
       all-finite check and grad norm are reduced (pmin / psum) over this axis.
 
-  Multiply the loss by `precision.optim.loss_scale_of(opt_state)` before differentiating.
+  Multiply the loss by `precision.optim.loss_scale_of(opt_state)` before differentiating
+  (`precision.value_and_grad` and `precision.train_step` do). An update traced without the
+  scale read since the previous update warns once per process (`UnscaledGradientsWarning`):
+  its grads would be divided by a scale they were never multiplied by.
 
   Examples:
     >>> tx = loss_scaling(master_weights(optax.adamw(1e-3)), DynamicLossScale(2.0 ** 15))

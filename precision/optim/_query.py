@@ -25,10 +25,15 @@ def find_state(opt_state: Any, kind: type) -> Any:
 def loss_scale_of(opt_state: Any) -> jax.Array:
   """f32 scalar to multiply the loss by: the current loss scale, 1.0 when there is none.
 
+  Reading it marks the calling thread: the next update of a loss-scaling optimizer takes
+  the mark; one traced without it warns (`UnscaledGradientsWarning`, once per process).
+  `precision.value_and_grad` and `precision.train_step` call it for you.
+
   Examples:
     >>> scale = loss_scale_of(opt_state)
     >>> loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch) * scale)(params)
   """
+  _guard.note_scale_read()
   guard = find_state(opt_state, _guard.GuardState)
   if guard is None:
     return jnp.ones((), jnp.float32)

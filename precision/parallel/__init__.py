@@ -6,15 +6,19 @@ train step whose every collective runs in the dtype the Recipe states; at stage 
 gathered layer by layer, re-gathered in backward; `data_parallel_pmap`
 runs stages 0-1 under `jax.pmap` with the same numbers; `MemoryReport` and
 `CollectiveReport` give per-device bytes held and moved per step.
+
+The state is `precision.TrainState` (also `precision.checkpoint.TrainState`);
+`DataParallel.state_for_checkpoint` / `state_from_checkpoint` convert it to and from the
+full form a checkpoint holds, which resumes on any device count.
 """
 
+from precision._state import TrainState
 from precision.parallel._collectives import Reduction
 from precision.parallel._collectives import all_reduce_mean
 from precision.parallel._collectives import gather_view
 from precision.parallel._collectives import reduce_scatter_mean
 from precision.parallel._collectives import replicated_view
 from precision.parallel._data_parallel import DataParallel
-from precision.parallel._data_parallel import TrainState
 from precision.parallel._data_parallel import data_parallel
 from precision.parallel._fsdp import GATHER_MODES
 from precision.parallel._fsdp import ShardedParam

@@ -2,11 +2,12 @@
 
 Every reduction of gradients runs in the recipe's `reduce_dtype` (f32, bf16 or f16) and
 is SUMMED before it is divided by the device count n: a gradient finite on every rank
-can overflow in that sum (seed 004), and the optimizer's finite check, made after the
-reduction, must see it. Dividing first would hide the overflow (each addend <= max/n)
-and change the rounding of every reduced element. The division itself happens in the
-gradient dtype handed to the optimizer, the wider of the param and reduce dtypes, so an
-f32 reduction of bf16 grads is not rounded back to bf16 (for n a power of two the
+can overflow in that sum, and the optimizer's finite check, made after the reduction,
+must see it (the step is skipped and the loss scale backs off, rather than training on a
+reduction that lost its range). Dividing first would hide the overflow (each addend <=
+max/n) and change the rounding of every reduced element. The division itself happens in
+the gradient dtype handed to the optimizer, the wider of the param and reduce dtypes, so
+an f32 reduction of bf16 grads is not rounded back to bf16 (for n a power of two the
 division is exact barring underflow).
 
 Stage 2 and 3 reduce inside the backward pass through two custom-VJP "views" of a param

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -12,6 +10,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from precision._recipe import Recipe, get_recipe
+from precision._state import TrainState
+from precision.parallel import _full_state
 from precision.parallel import _report
 from precision.parallel._collectives import all_gather_flat
 from precision.parallel._fsdp import GATHER_MODES
@@ -19,28 +19,6 @@ from precision.parallel._layout import ParamLayout, unflatten
 from precision.parallel._step import (
     ZERO_STAGES, OptimizerHooks, StepConfig, local_init, local_step, plain_optax_hooks,
     with_standard_promotion)
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["params", "opt_state", "fp8_state"], meta_fields=["layout"])
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-  """What a data-parallel step carries: params, optimizer state and their layout.
-
-  params: full leaves, replicated (stages 0-2), or flat padded leaves of `padded_size`
-    elements sharded over the data axis (stage 3), in the recipe's param dtype.
-  opt_state: the optimizer's state, replicated (stage 0) or built on flat shards, its
-    per-parameter leaves sharded over the data axis (stages 1-3).
-  layout: static shapes/dtypes/shard sizes of the params (see `ParamLayout`).
-  fp8_state: with `data_parallel(..., fp8_state=True)`, the fp8 scaling state
-    (``nnx.state(model, precision.fp8.Fp8State)``), replicated and identical on every
-    device; None otherwise.
-  """
-
-  params: Any
-  opt_state: Any
-  layout: ParamLayout
-  fp8_state: Any = None
 
 
 def recipe_hooks(recipe: Recipe | str, inner: optax.GradientTransformation, *, seed: int,
@@ -118,20 +96,36 @@ def opt_state_specs(cfg: StepConfig, layout: ParamLayout):
 class DataParallel:
   """A data-parallel (ZeRO stage 0-3) trainer on a Mesh; build it with `data_parallel`.
 
+  Its state is a `precision.TrainState` (the type `precision.checkpoint` saves) whose
+  `layout` is set: params full and replicated (stages 0-2) or flat padded shards (stage
+  3); optimizer state full (stage 0) or built on flat shards (stages 1-3); `model_state`
+  the fp8 scaling state (with ``fp8_state=True``) or None; `rng` carried untouched.
+
   Attributes:
     init: `init(params, fp8_state=None) -> TrainState`, params a pytree of full floating
       arrays (numpy or jax, identical on every process); cast to the recipe's param dtype
       and placed. `fp8_state`: the model's fp8 scaling state, with `fp8_state=True` only.
     step: `step(state, batch) -> (state, metrics)`, jitted, `state` donated. `batch` is
-      the GLOBAL batch (leading axis split over the data axis); in multi-process runs
-      build it with `shard_batch`. metrics: f32 "loss" (mean over all devices) plus
+      the GLOBAL batch, its leading axis split over the data axis: in one process, host
+      arrays (numpy, or jax arrays on one device) are split here; in a multi-process job
+      each process passes global arrays built from its own slice by `shard_batch`.
+      metrics: f32 "loss" (mean over all devices) plus
       `precision.optim.optimizer_metrics` when a recipe is given; replicated scalars.
+    state_for_checkpoint / state_from_checkpoint: to and from the full form a checkpoint
+      holds (full-shape params; see their docstrings), which any device count resumes.
+
+  Examples:
+    >>> state = dp.init(params)
+    >>> state, metrics = dp.step(state, {"x": x, "y": y})         # numpy, global batch
+    >>> ckpt.save(100, dp.state_for_checkpoint(state), recipe=recipe)
+    >>> r = ckpt.restore(dp4.state_for_checkpoint(dp4.init(params)))  # 4 devices, say
+    >>> state4 = dp4.state_from_checkpoint(r.state)
   """
 
   def __init__(self, cfg: StepConfig, mesh: Mesh, *, param_dtype, donate: bool):
     self.cfg, self.mesh, self._param_dtype = cfg, mesh, param_dtype
     self.zero_stage, self.axis_name = cfg.zero_stage, cfg.axis_name
-    self.step = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+    self._step = jax.jit(self._local_step, donate_argnums=(0,) if donate else ())
     self._gather = jax.jit(self._full_params)
 
   # ---- state -----------------------------------------------------------------------
@@ -163,9 +157,22 @@ class DataParallel:
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=(p_spec, o_spec),
                        check_vma=False)
     p, o = jax.jit(fn)(params)
-    return TrainState(p, o, layout, fp8_state)
+    return TrainState(p, o, fp8_state, None, layout)
 
-  def _step(self, state: TrainState, batch):
+  def step(self, state: TrainState, batch):
+    """One training step on the global `batch`; see the class docstring."""
+    return self._step(self._check_state(state), self._global_batch(batch))
+
+  def _check_state(self, state) -> TrainState:
+    if not isinstance(state, TrainState) or state.layout is None:
+      raise ValueError(
+          f"state is a {type(state).__name__}"
+          f"{' in full form (layout None)' if isinstance(state, TrainState) else ''}; "
+          "accepted: a state of this DataParallel (init, step, or state_from_checkpoint "
+          "of a restored checkpoint)")
+    return state
+
+  def _local_step(self, state: TrainState, batch):
     layout = state.layout
     p_spec, o_spec = self._specs(layout)
     body = lambda p, o, f, b: local_step(self.cfg, layout, p, o, b, f)
@@ -175,8 +182,8 @@ class DataParallel:
                        in_specs=(p_spec, o_spec, P(), P(self.axis_name)),
                        out_specs=(p_spec, o_spec, P(), P()), check_vma=False)
     params, opt_state, fp8_state, metrics = fn(state.params, state.opt_state,
-                                               state.fp8_state, batch)
-    return TrainState(params, opt_state, layout, fp8_state), metrics
+                                               state.model_state, batch)
+    return TrainState(params, opt_state, fp8_state, state.rng, layout), metrics
 
   def _full_params(self, state: TrainState):
     if self.zero_stage != 3:
@@ -190,19 +197,94 @@ class DataParallel:
 
   def params(self, state: TrainState):
     """Full params (original shapes, param dtype), replicated on the mesh."""
-    return self._gather(state)
+    return self._gather(self._check_state(state))
+
+  def _global_batch(self, batch):
+    """`batch` as global arrays split over the data axis, as `step` takes them.
+
+    Leaves already split that way, and global arrays of a multi-process job, pass as they
+    are. In one process, host arrays (numpy, or jax arrays on one device or otherwise
+    laid out) are the whole global batch: they are split here. In a multi-process job a
+    host array is refused: which process's rows would it be? Use `shard_batch`.
+
+    Raises:
+      ValueError: a leaf without a leading axis divisible by the data axis size, or a
+        host array in a multi-process job.
+    """
+    sharding = NamedSharding(self.mesh, P(self.axis_name))
+    n = self.cfg.devices
+
+    def one(path, x):
+      if isinstance(x, jax.core.Tracer):
+        return x
+      if isinstance(x, jax.Array):
+        if not x.is_fully_addressable or x.sharding.is_equivalent_to(sharding, x.ndim):
+          return x
+      if jax.process_count() > 1:
+        raise ValueError(
+            f"batch leaf {jax.tree_util.keystr(path)} is a host array in a job of "
+            f"{jax.process_count()} processes; accepted: global arrays from "
+            "dp.shard_batch(this process's slice)")
+      shape = np.shape(x)
+      if not shape or shape[0] % n:
+        raise ValueError(
+            f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}; accepted: a "
+            f"leading (batch) axis divisible by the {n} devices of axis "
+            f"{self.axis_name!r}")
+      return jax.device_put(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(one, batch)
 
   def shard_batch(self, local_batch):
-    """This process's slice of the global batch -> global arrays split over the data axis
-    (in a single process, the local slice is the global batch)."""
+    """Multi-process jobs: this process's slice of the global batch -> global arrays
+    split over the data axis (`jax.make_array_from_process_local_data`); each process
+    passes its own rows, in process order. In one process the slice is the whole global
+    batch; `step` then also takes the host arrays directly."""
     sharding = NamedSharding(self.mesh, P(self.axis_name))
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)
 
+  # ---- checkpoints -----------------------------------------------------------------
+  def state_for_checkpoint(self, state: TrainState, *, rng: Any = None) -> TrainState:
+    """`state` in the full form `precision.checkpoint` saves, replicated on the mesh.
+
+    Full-shape params in the param dtype (stage 3's shards gathered); at stages 1-3 each
+    optimizer-state leaf built on flat shards gathered into one flat vector of the
+    parameter's size, padding dropped (the state the same optimizer builds on one
+    device); counters, loss scale and fp8 state as they are; `model_state` {} without
+    fp8; `layout` None. It does not depend on the device count: a DataParallel on any
+    number of devices, at any of stages 1-3 (stage 0: stage 0), resumes it with
+    `state_from_checkpoint`, bit for bit.
+
+    Args:
+      state: a state of this DataParallel.
+      rng: PRNG key data to save with it (replaces `state.rng` when given).
+
+    Examples:
+      >>> ckpt.save(step, dp.state_for_checkpoint(state), recipe=recipe)
+    """
+    return _full_state.to_full(self.cfg, self.mesh, self._specs, self._check_state(state),
+                               rng)
+
+  def state_from_checkpoint(self, state: TrainState) -> TrainState:
+    """The full form (e.g. ``Checkpointer.restore(...).state``) -> a state of this
+    DataParallel, sharded over its devices (the padding for this device count added).
+
+    Raises:
+      ValueError naming the first leaf that is not what this DataParallel builds (other
+      recipe, optimizer, model or ZeRO stage 0 vs 1-3), or fp8 state given to a step
+      built without it (or the reverse).
+
+    Examples:
+      >>> r = ckpt.restore(dp.state_for_checkpoint(dp.init(params)))
+      >>> state = dp.state_from_checkpoint(r.state)
+    """
+    return _full_state.from_full(self.cfg, self.mesh, self._specs, self._param_dtype, state)
+
   # ---- reports ---------------------------------------------------------------------
   def compile(self, state: TrainState, batch):
     """The compiled step executable for these argument shapes."""
-    return self.step.lower(state, batch).compile()
+    return self._step.lower(self._check_state(state), self._global_batch(batch)).compile()
 
   def memory_report(self, state: TrainState, batch) -> _report.MemoryReport:
     """Per-device memory of one step (see `precision.parallel.MemoryReport`)."""
@@ -219,7 +301,7 @@ class DataParallel:
     compiled=False: the program as lowered, before backend passes: the dtypes the step
     asks for, which backends with native 16-bit collectives (NCCL on GPU) move.
     """
-    lowered = self.step.lower(state, batch)
+    lowered = self._step.lower(self._check_state(state), self._global_batch(batch))
     text = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
     return _report.collective_report(text, self.cfg.devices)
 
@@ -244,7 +326,8 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     when it runs and re-gathered in backward (3 Psi, one layer's params alive at a time).
   Leaves are flattened and zero-padded to a multiple of the device count (never refused).
   The same code runs in one process or many (`jax.distributed`): pass a mesh over
-  `jax.devices()` and global batches from `DataParallel.shard_batch`.
+  `jax.devices()`; in one process `step` takes the global batch as host arrays, in many
+  each process builds global arrays from its own slice with `DataParallel.shard_batch`.
 
   Args:
     loss_fn: `loss_fn(params, local_batch) -> scalar` mean loss over the device's slice of
@@ -275,14 +358,16 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       histories max-reduced, so every rank derives the same delayed scale).
 
   Returns:
-    A `DataParallel` with `init`, `step`, `params`, `shard_batch`, `memory_report`,
+    A `DataParallel` with `init`, `step`, `params`, `shard_batch`,
+    `state_for_checkpoint`, `state_from_checkpoint`, `memory_report`,
     `collective_report`.
 
   Examples:
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> dp = data_parallel(loss_fn, optax.adamw(1e-3), mesh, zero_stage=1, recipe="bf16_master")
     >>> state = dp.init(params)
-    >>> state, metrics = dp.step(state, dp.shard_batch(batch))
+    >>> state, metrics = dp.step(state, batch)     # global batch, numpy arrays
+    >>> checkpoint.save(path, 1, dp.state_for_checkpoint(state), recipe=recipe)
   """
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; accepted: "

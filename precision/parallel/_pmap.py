@@ -14,7 +14,8 @@ import numpy as np
 import optax
 
 from precision._recipe import Recipe, get_recipe
-from precision.parallel._data_parallel import TrainState, step_config
+from precision._state import TrainState
+from precision.parallel._data_parallel import step_config
 from precision.parallel._layout import ParamLayout
 from precision.parallel._step import local_init, local_step
 
@@ -43,7 +44,7 @@ class PmapDataParallel:
                   devices=self.devices)
     n = self.cfg.devices
     p, o = fn(jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), params))
-    return TrainState(p, o, layout)
+    return TrainState(p, o, layout=layout)
 
   def _compiled(self, layout: ParamLayout):
     if layout not in self._steps:
@@ -69,7 +70,8 @@ class PmapDataParallel:
     """One step on a batch from `shard_batch`; metrics are device 0's (all agree)."""
     params, opt_state, metrics = self._compiled(state.layout)(
         state.params, state.opt_state, batch)
-    return TrainState(params, opt_state, state.layout), jax.tree.map(lambda m: m[0], metrics)
+    return (TrainState(params, opt_state, layout=state.layout),
+            jax.tree.map(lambda m: m[0], metrics))
 
   def params(self, state: TrainState):
     return jax.tree.map(lambda x: x[0], state.params)

@@ -1,0 +1,176 @@
+"""One training step for every recipe: `value_and_grad` and `train_step`.
+
+The recipe optimizer (`precision.optim.build_optimizer`) expects the gradients of the
+loss MULTIPLIED BY its current loss scale: its guard divides them by the scale (in f32),
+checks they are finite, skips the step if not and adjusts the scale. `value_and_grad`
+does the multiplication (a no-op scale of 1 for recipes without loss scaling) and, for
+an NNX model, carries the fp8 gradient-operand scaling state out of the backward pass
+(`precision.fp8.value_and_grad`); `train_step` adds the update, writes the params back
+and rolls the fp8 scaling state back when the guard skipped the step. So the loop is the
+same for fp32, bf16, f16 with loss scaling and fp8:
+
+  >>> tx = mp.optim.build_optimizer(recipe, optax.adamw(1e-3))
+  >>> opt_state = tx.init(nnx.state(model, nnx.Param))
+  >>> step = nnx.jit(mp.train_step, static_argnums=(1, 3))
+  >>> loss, opt_state = step(model, tx, opt_state, loss_fn, x, y)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from precision import fp8
+from precision import optim
+
+
+def _scaled_loss(fn: Callable[..., Any], scale: jax.Array, has_aux: bool):
+  """``f(*args) -> (loss_f32 * scale, (loss_f32, aux))``, checking what `fn` returns."""
+
+  def f(*args, **kwargs):
+    out = fn(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"value_and_grad(has_aux=True): fn returned {type(out).__name__}; "
+                         "accepted: a pair (scalar loss, aux)")
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    if not hasattr(loss, "dtype") or np.shape(loss) != () or not jnp.issubdtype(
+        loss.dtype, jnp.floating):
+      raise ValueError(
+          f"value_and_grad: fn's loss is {getattr(loss, 'dtype', type(loss).__name__)}"
+          f"{list(np.shape(loss)) if hasattr(loss, 'shape') else ''}; accepted: a floating "
+          "scalar array (e.g. a mean over the batch)" + (
+              "; with has_aux=True, the first of (loss, aux)" if has_aux else ""))
+    # The loss is scaled in f32: an f16 or bf16 loss times 2**15 could overflow its own
+    # dtype, and f32 holds every f16/bf16 value exactly, so the unscaled loss returned is
+    # fn's own value, widened.
+    loss = loss.astype(jnp.float32)
+    return loss * scale, (loss, aux)
+
+  return f
+
+
+def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False
+                   ) -> Callable[..., Any]:
+  """The loss and the gradients a recipe optimizer's ``tx.update`` expects.
+
+  Differentiates ``fn(model_or_params, *args, **kwargs) * loss_scale_of(opt_state)``
+  with respect to its first argument: the loss is cast to f32 and multiplied by the
+  optimizer's current loss scale (1 for recipes without loss scaling) before
+  differentiating, so the gradients come out SCALED, in the units the optimizer's
+  loss-scaling guard divides back out; the loss returned is unscaled.
+
+  * An `nnx.Module` first argument is differentiated with respect to its `nnx.Param`
+    (grads: an `nnx.State` matching ``nnx.state(model, nnx.Param)``), and the fp8
+    gradient-operand scaling state of its fp8 GEMMs is written into the model
+    (`precision.fp8.value_and_grad`); other model state (fp8 forward state, BatchNorm
+    statistics) updates as in a plain call.
+  * Any other first argument is a pytree of params: ``jax.value_and_grad`` w.r.t. it.
+
+  Build it inside the step, from the `opt_state` that step's ``tx.update`` receives: the
+  scale is read when the returned function is called, from that state, and a state
+  captured outside a jitted step would freeze the scale into the compiled step.
+
+  Args:
+    fn: ``fn(model_or_params, *args, **kwargs) -> loss`` (``(loss, aux)`` with
+      `has_aux`), the loss a floating scalar: the mean over the batch.
+    opt_state: the optimizer state (any optax state; its loss scale is found inside).
+    has_aux: `fn` returns ``(loss, aux)``.
+
+  Returns:
+    ``g(model_or_params, *args, **kwargs) -> (loss, grads)``, or ``((loss, aux), grads)``
+    with `has_aux`; `loss` f32 and unscaled, `grads` in the params' dtypes, scaled.
+
+  Examples:
+    >>> loss, grads = precision.value_and_grad(loss_fn, opt_state)(model, x, y)
+    >>> params = nnx.state(model, nnx.Param)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> nnx.update(model, precision.optim.apply_updates(params, updates))
+  """
+  if not callable(fn):
+    raise ValueError(f"value_and_grad: fn={fn!r}; accepted: a callable returning the loss")
+  if not isinstance(has_aux, bool):
+    raise ValueError(f"value_and_grad: has_aux={has_aux!r}; accepted: True or False")
+
+  def wrapped(model_or_params, *args, **kwargs):
+    # Read here, at call time: `loss_scale_of` also marks this thread as having scaled
+    # the loss, which the next loss-scaling update takes (precision.optim._guard).
+    scale = optim.loss_scale_of(opt_state)
+    # Keyword arguments are bound here, never differentiated: nnx's transforms cannot map
+    # keywords of a function taking *args to positions.
+    bound = functools.partial(fn, **kwargs) if kwargs else fn
+    scaled = _scaled_loss(bound, scale, has_aux)
+    if isinstance(model_or_params, nnx.Module):
+      vg = fp8.value_and_grad(scaled, has_aux=True)
+    else:
+      vg = jax.value_and_grad(scaled, has_aux=True)
+    (_, (loss, aux)), grads = vg(model_or_params, *args)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return wrapped
+
+
+def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: Any,
+               loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+  """One optimizer step of an NNX model under any recipe; updates `model` in place.
+
+  `value_and_grad` (loss scaled by the optimizer's loss scale, fp8 gradient state
+  carried), ``tx.update``, `precision.optim.apply_updates` (exact rounding into 16-bit
+  params), the new params written into `model`; when the optimizer's guard skipped the
+  step (non-finite grads), the fp8 scaling state is rolled back with it
+  (`precision.fp8.rollback_fp8_state`), so a skipped step leaves params, optimizer
+  state and fp8 state bit-identical. Other model state (e.g. BatchNorm statistics) keeps
+  the step's update. Works eagerly and under `nnx.jit` (jit it yourself: see Examples).
+
+  Args:
+    model: the NNX model, e.g. after `precision.flax.apply_recipe(model, recipe)`.
+    tx: the optimizer, e.g. `precision.optim.build_optimizer(recipe, optax.adamw(...))`,
+      initialised on ``nnx.state(model, nnx.Param)``.
+    opt_state: its state.
+    loss_fn: ``loss_fn(model, *args, **kwargs) -> scalar loss`` (floating; the mean over
+      the batch). For an auxiliary output use `value_and_grad` with `has_aux`.
+    *args, **kwargs: passed to `loss_fn` (the batch).
+
+  Returns:
+    ``(loss, opt_state)``: the f32 unscaled loss of this step (before the update) and the
+    new optimizer state.
+
+  Examples:
+    >>> model = precision.flax.apply_recipe(MLP(rngs=nnx.Rngs(0)), "f16_mixed")
+    >>> tx = precision.optim.build_optimizer("f16_mixed", optax.sgd(0.1))
+    >>> opt_state = tx.init(nnx.state(model, nnx.Param))
+    >>> step = nnx.jit(precision.train_step, static_argnums=(1, 3))
+    >>> for x, y in batches:
+    ...   loss, opt_state = step(model, tx, opt_state, loss_fn, x, y)
+  """
+  if not isinstance(model, nnx.Module):
+    raise ValueError(
+        f"train_step: model is a {type(model).__name__}; accepted: an nnx.Module (for a "
+        "pytree of params use precision.value_and_grad, tx.update and "
+        "precision.optim.apply_updates)")
+  if not isinstance(tx, optax.GradientTransformation):
+    raise ValueError(f"train_step: tx={tx!r}; accepted: an optax.GradientTransformation "
+                     "(precision.optim.build_optimizer's)")
+  has_fp8 = bool(fp8.fp8_modules(model))
+  # The fp8 state before the step, for a rollback: a tree map makes new Variables holding
+  # the same (immutable) arrays, which the step's in-place updates of the model leave be.
+  before = jax.tree.map(lambda x: x, nnx.state(model, fp8.Fp8State)) if has_fp8 else None
+  params = nnx.state(model, nnx.Param)
+  loss, grads = value_and_grad(loss_fn, opt_state)(model, *args, **kwargs)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  nnx.update(model, optim.apply_updates(params, updates))
+  if has_fp8:
+    skipped = optim.step_skipped(opt_state, new_opt_state)
+    nnx.update(model, fp8.rollback_fp8_state(nnx.state(model, fp8.Fp8State), before, skipped))
+  return loss, new_opt_state
+
+
+__all__ = ["train_step", "value_and_grad"]
