@@ -51,6 +51,7 @@ def _time_step(tx, n, dtype, repeats, donate=True):
   def step(p, s, g):
     # optax.adamw itself mixes Python scalars with int32 counts: standard promotion here.
     with jax.numpy_dtype_promotion("standard"):
+      po.loss_scale_of(s)  # a training step reads the scale for its loss (synthetic grads here)
       u, s = tx.update(g, s, p)
       return po.apply_updates(p, u), s
 
