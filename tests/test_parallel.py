@@ -484,6 +484,7 @@ def _amax(state, layer, op):
   return np.asarray(state["layers"][layer]["dot_general"][f"{op}_amax_history"][...])
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_fp8_state_synchronised_in_every_stage(mesh):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 

@@ -172,6 +172,7 @@ def test_two_slices_merge_to_the_single_run(quick, sharded):
     assert [tuple(j) for j in part["jobs"]] == sweep.grid(cfg)[k - 1::2]
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_report_only_names_a_missing_or_mismatched_slice(sharded, tmp_path):
   out, _ = sharded
   copy = tmp_path / "partial"

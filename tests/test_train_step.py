@@ -138,6 +138,7 @@ def test_f16_sgd_update_has_the_fp32_magnitude(data):
   assert np.linalg.norm(u - ref_u) <= 2e-2 * np.linalg.norm(ref_u)
 
 
+@pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
 def test_eager_and_jitted_steps_agree(data):
   """train_step eagerly (no jit) trains the fp8 model like the jitted one: same losses
   to f32 rounding of differently fused programs."""
