@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision import _gemm
+
 _F32 = np.dtype(np.float32)
 
 GEMMS = frozenset(("dot_general", "conv_general_dilated"))
@@ -163,8 +165,7 @@ def promoted(eqn, in_dtypes: list[np.dtype]) -> np.dtype | None:
   strong = [in_dtypes[i] for i in idx
             if not getattr(eqn.invars[i].aval, "weak_type", False)
             and not isinstance(eqn.invars[i], jax.extend.core.Literal)]
-  from precision._gemm import wider_float  # pylint: disable=g-import-not-at-top
-  return wider_float(*(strong or [in_dtypes[i] for i in idx]))
+  return _gemm.wider_float(*(strong or [in_dtypes[i] for i in idx]))
 
 
 def promote_operands(eqn, invals: list) -> list:

@@ -49,7 +49,7 @@ def _cast_params(variables: Any, spec: _api.AutocastSpec, matched: set) -> Any:
     if "params" not in names:
       return leaf
     names = names[names.index("params") + 1:-1]
-    rule = _overrides.match_scope(spec.rules, "/".join(names), {})
+    rule = _overrides.match_scope(spec.rules, "/".join(names), _TRACE.module_at)
     if rule is not None:
       matched.add(rule.key)
     pol = spec.policy if rule is None else rule.policy
