@@ -141,11 +141,11 @@ def _find_prefix(saved: dict, target: dict, path: str, params_path: str | None) 
       f"checkpoint, which holds {len(saved)} leaves such as {example}")
 
 
-def _placeholders(node: Any, prefix: list[str]) -> Any:
+def _templates(node: Any, prefix: list[str]) -> Any:
   """The part of the saved tree to read: the subtree at `prefix` (dict keys along the
-  way), its leaves as numpy placeholders."""
+  way), its leaves as numpy templates."""
   if prefix and isinstance(node, dict) and prefix[0] in node:
-    return {prefix[0]: _placeholders(node[prefix[0]], prefix[1:])}
+    return {prefix[0]: _templates(node[prefix[0]], prefix[1:])}
 
   def leaf(m):
     if hasattr(m, "shape") and hasattr(m, "dtype"):
@@ -212,7 +212,7 @@ def import_orbax(path: str | os.PathLike, target: TrainState, recipe: Recipe | s
       raise CheckpointMismatchError(
           f"{what}: leaf '{prefix}{p}': checkpoint has {s_shape} {s_dtype}, the target "
           f"expects {shape} {dtype}")
-  item_tree = _placeholders(saved_tree, [k for k in prefix.strip("/").split("/") if k])
+  item_tree = _templates(saved_tree, [k for k in prefix.strip("/").split("/") if k])
   got = _orbax.restore_partial(item_dir, item_tree, what)
   got = _flatten(got)
   notes = [f"params read from {item_dir}"

@@ -559,10 +559,10 @@ class Checkpointer:
     step = _check_step(step)
     _check_state("state", state)
     if jax.process_count() > 1:
-      raise NotImplementedError(
+      raise ValueError(
           f"precision.checkpoint writes from one process; this job has "
           f"{jax.process_count()} (checksums and the atomic rename need every array on "
-          "this host)")
+          "this host); accepted: a single-process job")
     _check_json("extra", extra)
     record = self.claim(recipe=recipe, model_config=model_config, seed=seed)
     meta = {"format": FORMAT_VERSION, "step": step, "recipe": recipe.to_dict(),

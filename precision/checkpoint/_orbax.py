@@ -85,7 +85,7 @@ def restore_item(path: str, abstract: Any, what: str) -> Any:
 
 
 def restore_partial(path: str, item: Any, what: str) -> Any:
-  """Restores the leaves present in `item` (a nested dict/list of numpy placeholders
+  """Restores the leaves present in `item` (a nested dict/list of numpy templates
   matching the saved structure) as numpy arrays, leaving the rest of the item unread."""
   import jax  # pylint: disable=g-import-not-at-top
 
