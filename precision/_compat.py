@@ -3,8 +3,11 @@
 The library's dependencies are version ranges (pyproject.toml), so a private name may move
 in a release inside the range. Each one is imported here and nowhere else;
 tests/test_compat.py imports every entry of `PRIVATE_NAMES` and fails naming any that
-disappeared. Checked against jax 0.10.2 and flax 0.12.8 (the constraints CI installs)
-and, by reading the wheels, jax 0.11.2 / 0.12.0.1 and flax 0.12.12.
+disappeared. All are checked by that test against the versions CI installs (jax 0.10.2,
+flax 0.12.8, orbax-checkpoint 0.12.8, constraints.txt); the transpose rules, xla_bridge and
+the Flax name were also found unchanged in the jax 0.11.2 / 0.12.0.1 and flax 0.12.12
+wheels. The others (source_info_util, the Orbax helper) have been seen in 0.10.2 only: on
+a newer JAX, run tests/test_compat.py first.
 
 | name                                              | used for                                   |
 |---------------------------------------------------|--------------------------------------------|
