@@ -334,6 +334,7 @@ CASES: dict[str, Callable[[str | None], Built]] = {
     "decoder_linen": linen_decoder,
     "resnet_batchnorm_linen": linen_resnet,
     "plain_jax_scan_remat": plain_jax,
+    "explicit_sharding_nnx": lambda recipe: sharded_lm(recipe),  # 2-device mesh
 }
 
 
@@ -358,3 +359,31 @@ class ShardedLM(nnx.Module):
     h = jnp.einsum("btd,de->bte", x, self.w[...], out_sharding=batch) + self.b[...]
     h = self.norm(jax.nn.gelu(h))
     return self.head(h, out_sharding=batch)
+
+
+def _sharded_context(mesh):
+  @contextlib.contextmanager
+  def context():
+    with jax.set_mesh(mesh), user_code():
+      yield
+  return context
+
+
+def sharded_lm(recipe):
+  """ShardedLM on a 2-device mesh with an Explicit "data" axis, its batch sharded."""
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  context = _sharded_context(mesh)
+  with context():
+    model = ShardedLM(rngs=nnx.Rngs(0))
+    if recipe is not None:
+      mp.flax.apply_recipe(model, recipe)
+    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    tokens = jax.device_put(_tokens(batch=B), batch)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    return _xent(m(tokens[:, :-1]).astype(jnp.float32), tokens[:, 1:]), None
+
+  return Built(loss, params, context)

@@ -1,6 +1,8 @@
 """Conformance of the policy mechanism on models we did not write (tests/_zoo.py).
 
-For every model of the zoo, unmodified, with the recipe applied from outside in one line:
+For every model of the zoo (one of them, explicit_sharding_nnx, traced and lowered under a
+2-device mesh with Explicit axes and `out_sharding=` annotations), unmodified, with the
+recipe applied from outside in one line:
   * fp32 is bit-identical to the plain model: loss, every gradient, updated batch_stats;
   * bf16_mixed: every GEMM / convolution of the forward AND backward pass is
     bf16 x bf16 -> f32 in the program lowered for CUDA (read from its StableHLO; the CPU
