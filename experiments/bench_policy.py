@@ -13,7 +13,8 @@ counts and dot FLOPs, and the backward GEMMs whose operands are mixed (f32 x bf1
   einsum_attention  tests/_zoo.py GemmaStyleLM: nnx.Einsum projections, jnp.einsum
                     attention with jax.nn.softmax, custom RMSNorm, tied head, tanh soft-cap
 
-CPU figures only here: XLA:CPU runs bf16 GEMMs by upcasting, so the ratio measures the
+CPU figures only here: both variants run the same GEMMs (XLA:CPU takes the row-major
+bf16 x bf16 -> f32 ones natively and upcasts the rest), so the ratio measures the
 mechanism's overhead (converts, custom VJPs, recomputation), not tensor-core speed.
 
 Usage: python -m experiments.bench_policy [--quick]

@@ -63,19 +63,43 @@ def _target_aval(like: jax.Array, dtype: np.dtype):
 # ----------------------------------------------------------------------------- CPU
 
 
-def _on_platform(fn, a, b):
+def _on_platform(fn, a, b, dimension_numbers=None):
   """`fn(a, b)` (an f32-accumulating GEMM of compute-dtype operands) on GPU/TPU; on the
-  CPU backend `fn` of the operands upcast to f32.
+  CPU backend, `fn` of the operands upcast to f32 unless the dot is one XLA:CPU runs
+  natively (`_cpu_runs_natively`).
 
-  XLA:CPU has no kernel for every operand layout of a bf16 x bf16 -> f32 dot (the thunk
-  runtime fails with "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32",
-  e.g. for the attention backward). The CPU branch upcasts the already-rounded operands to
-  f32 first: a product of two bf16 (8-bit significand) or f16 (11-bit) values is exact in
-  f32 (24 bits), so it computes the same products with the same f32 accumulation.
-  `precision.audit` reports the accelerator branch.
+  XLA:CPU has no kernel for every operand layout of a bf16 x bf16 -> f32 dot: its YNNPACK
+  fusions take the row-major layouts (batch dims first, the lhs contracted over its
+  trailing dims), and the others fall back to a thunk that fails at run time with
+  "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32" (e.g. the weight
+  gradients, contracted over the token dim). Those are upcast to f32 first: a product of
+  two bf16 (8-bit significand) or f16 (11-bit) values is exact in f32 (24 bits), so the
+  upcast GEMM computes the same products with the same f32 accumulation (the native bf16
+  GEMM accumulates in f32 too; only the summation order may differ). `precision.audit`
+  and the CUDA lowering report the accelerator branch.
   """
+  if dimension_numbers is not None and _cpu_runs_natively(a, b, dimension_numbers):
+    return fn(a, b)
   cpu = lambda x, y: fn(x.astype(_F32), y.astype(_F32))
   return lax.platform_dependent(a, b, cpu=cpu, default=fn)
+
+
+def _cpu_runs_natively(a, b, dimension_numbers) -> bool:
+  """True for a bf16 x bf16 dot_general in the row-major form XLA:CPU's YNNPACK fusions
+  run: batch dims leading and in order on both sides, the lhs contracted over its trailing
+  dims, the rhs over the dims right after its batch dims or over its trailing dims (the
+  forward GEMMs of x @ w, Flax's Linear/Einsum and attention written with einsum)."""
+  bf16 = np.dtype(jnp.bfloat16)
+  if np.dtype(a.dtype) != bf16 or np.dtype(b.dtype) != bf16:
+    return False
+  (lc, rc), (lb, rb) = dimension_numbers
+  nb, nc = len(lb), len(lc)
+  lead = tuple(range(nb))
+  if tuple(lb) != lead or tuple(rb) != lead or nc == 0:
+    return False
+  if tuple(lc) != tuple(range(a.ndim - nc, a.ndim)):
+    return False
+  return tuple(rc) in (tuple(range(nb, nb + nc)), tuple(range(b.ndim - nc, b.ndim)))
 
 
 def _operand_grads(t_lhs, t_rhs, gc, lc, rc, lhs_dtype, rhs_dtype, kw):
@@ -104,7 +128,7 @@ def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype, out_
   xc, wc = x.astype(compute), w.astype(compute)
   mm = lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision,
                                     preferred_element_type=_F32, out_sharding=out_sharding)
-  out = _on_platform(mm, xc, wc)
+  out = _on_platform(mm, xc, wc, dimension_numbers)
   # Residuals in the compute dtype: half the bytes of f32 copies.
   return out.astype(out_dtype), (xc, wc)
 

@@ -7,6 +7,7 @@ import pytest
 
 import precision as mp
 from precision import ops
+from precision.audit import lower
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -108,3 +109,31 @@ def test_policy_gemm_forward_backward_dtypes():
   with pytest.raises(ValueError, match="compute_dtype"):
     ops.einsum("ij,jk->ik", x, w)
   assert ops.einsum("ij,jk->ik", x, w, compute_dtype=BF16).dtype == BF16
+
+
+def test_cpu_runs_row_major_bf16_gemms_natively_and_upcasts_the_others():
+  """XLA:CPU: a policy GEMM in row-major form (x @ w, the forward of Flax's layers) runs
+  bf16 x bf16 -> f32, as hand-written Flax does; one contracted over the lhs's leading dim
+  (a weight gradient's form, for which XLA:CPU has no bf16 kernel) is upcast to f32. Both
+  execute, and both equal the f64 product of the bf16-rounded operands to f32 accuracy."""
+  k = jax.random.split(jax.random.key(0), 2)
+  a = jax.random.normal(k[0], (64, 48), F32)
+  b = jax.random.normal(k[1], (48, 32), F32)
+  row_major = mp.autocast(lambda x, w: x @ w, "p=f32,c=bf16,o=f32")
+  leading = mp.autocast(lambda xt, w: jnp.einsum("kn,km->nm", xt, w), "p=f32,c=bf16,o=f32")
+  sig = lambda f, *args: [g.signature() for g in lower(f, *args, platform="cpu").gemms]
+  assert sig(row_major, a, b) == [("bf16", "bf16", "f32")]
+  assert sig(leading, a.T, b) == [("f32", "f32", "f32")]
+  ref = (np.asarray(a.astype(BF16), np.float64) @ np.asarray(b.astype(BF16), np.float64))
+  for f, args in ((row_major, (a, b)), (leading, (a.T, b))):
+    got = np.asarray(jax.jit(f)(*args), np.float64)  # the result is rounded to bf16 once
+    np.testing.assert_allclose(got, ref.astype(BF16).astype(np.float64), rtol=8e-3)
+  # The rule itself: batch dims leading, lhs contracted over its trailing dims.
+  native = mp._gemm._cpu_runs_natively
+  x4 = jnp.zeros((2, 3, 4, 5), BF16)
+  assert native(x4, x4, (((3,), (3,)), ((0, 1), (0, 1))))      # q @ k^T per head
+  assert native(x4, jnp.zeros((2, 3, 5, 4), BF16), (((3,), (2,)), ((0, 1), (0, 1))))
+  assert not native(x4, x4, (((2,), (2,)), ((0, 1), (0, 1))))  # contracted over the rows
+  assert not native(x4, x4, (((3,), (3,)), ((0, 2), (0, 2))))  # batch dims not leading
+  assert not native(x4.astype(jnp.float16), x4.astype(jnp.float16),
+                    (((3,), (3,)), ((0, 1), (0, 1))))           # f16: always upcast
