@@ -334,7 +334,7 @@ CASES: dict[str, Callable[[str | None], Built]] = {
     "decoder_linen": linen_decoder,
     "resnet_batchnorm_linen": linen_resnet,
     "plain_jax_scan_remat": plain_jax,
-    "explicit_sharding_nnx": lambda recipe: sharded_lm(recipe),  # 2-device mesh
+    "explicit_sharding_nnx": lambda recipe: sharded_lm(recipe),  # defined below: 2 devices
 }
 
 
