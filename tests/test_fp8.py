@@ -203,8 +203,8 @@ def test_saturation_counted_and_outputs_finite():
 
 
 @pytest.mark.parametrize("fmt,values,expected", [
-    ("e4m3", [448.0, 463.0, 464.0, 465.0, 1e6, -np.inf], 3),
-    ("e5m2", [57344.0, 61439.0, 61440.0, 1e9], 2),
+    ("e4m3", [448.0, 463.0, 464.0, 465.0, 1e6, -np.inf, np.nan], 2),
+    ("e5m2", [57344.0, 61439.0, 61440.0, 1e9, np.inf, -np.inf, np.nan], 2),
 ])
 def test_saturation_boundary_matches_rounding(fmt, values, expected):
   recipe = sc.OperandRecipe(fmt=fmt, scaling="current")
@@ -215,8 +215,15 @@ def test_saturation_boundary_matches_rounding(fmt, values, expected):
   dt = ml_dtypes.float8_e4m3fn if fmt == "e4m3" else ml_dtypes.float8_e5m2
   direct = np.asarray(values, np.float32).astype(dt).astype(np.float32)
   kept = np.isfinite(direct)
-  np.testing.assert_array_equal(np.asarray(q.q, np.float32).ravel()[kept], direct[kept])
+  got = np.asarray(q.q, np.float32).ravel()
+  np.testing.assert_array_equal(got[kept], direct[kept])
   assert float(unf) == 0
+  # Finite values are clipped, never made inf; non-finite ones stay non-finite (not
+  # clipped to the max, and not counted as saturated): E5M2 keeps +-inf, E4M3 has no inf.
+  finite_in = np.isfinite(np.asarray(values, np.float32))
+  np.testing.assert_array_equal(np.isfinite(got), finite_in)
+  if fmt == "e5m2":
+    np.testing.assert_array_equal(got[np.isinf(values)], [np.inf, -np.inf])
 
 
 def test_scale_rules():
@@ -873,8 +880,12 @@ def test_rollback_fp8_state_with_guard():
   changed = [k for k in before if not np.array_equal(before[k], after[k])]
   assert any("lhs_amax_history" in k for k in changed)
   assert any("grad_amax_history" in k for k in changed)
-  # A NaN loss: NaN grads (an inf cotangent would not do: fp8 quantization clips it to
-  # the E5M2 max, so the grads would stay finite).
+  # An overflowed loss (inf cotangent): the fp8 backward keeps the inf (E5M2), the grads
+  # are non-finite and the step is skipped. (Clipping it to the E5M2 max made them finite
+  # and let the overflow through.)
+  _, s_inf, o_inf, skipped = step(p1, s1, o1, jnp.float32(np.inf))
+  assert bool(skipped) and int(mp.optim.optimizer_metrics(o_inf)["skipped_steps"]) == 1
+  # A NaN loss: NaN grads.
   p2, s2, o2, skipped = step(p1, s1, o1, jnp.float32(np.nan))
   assert bool(skipped) and int(mp.optim.optimizer_metrics(o2)["skipped_steps"]) == 1
   for k, v in _fp8_state_np(s1).items():

@@ -235,18 +235,22 @@ def quantize(x: jax.Array, scale: jax.Array, tile: tuple[int, int],
   """x [B, R, C] (any float dtype) -> (Quantized, saturated count, underflowed count).
 
   The division runs in f32 (exact upcast of bf16/f16/f32 inputs), so the only rounding is
-  the one to fp8, round-to-nearest-even. Values beyond the format's max are clipped to it
-  (saturation, never inf: E4M3 has no inf and an E5M2 inf would poison the GEMM); NaN stays
-  NaN. `saturated` counts the elements the clip actually changes (beyond max + ulp/2, so
+  the one to fp8, round-to-nearest-even. Finite values beyond the format's max are clipped
+  to it (saturation: a too-small scale must not turn data into inf). Non-finite inputs stay
+  non-finite (inf -> E5M2 inf, or NaN in E4M3, which has no inf; NaN -> NaN), as in a
+  bf16 GEMM: an overflowed, loss-scaled gradient then reaches the optimizer as inf/NaN and
+  its step is skipped, instead of passing as a finite gradient at the fp8 max.
+  `saturated` counts the finite elements the clip actually changes (beyond max + ulp/2, so
   the tensor's own amax landing a rounding error above max is not counted). Counts are f32
   scalars.
   """
   y = x.astype(_F32) / expand_scale(scale, tile, x.shape)
   fmax = jnp.asarray(recipe.fmax, _F32)
-  q = jnp.clip(y, -fmax, fmax).astype(recipe.dtype)
+  finite = jnp.isfinite(x)
+  q = jnp.where(finite, jnp.clip(y, -fmax, fmax), y).astype(recipe.dtype)
   boundary, inclusive = recipe.overflow
   over = jnp.abs(y) >= boundary if inclusive else jnp.abs(y) > boundary
-  saturated = jnp.sum(over, dtype=jnp.int32).astype(_F32)
+  saturated = jnp.sum(over & finite, dtype=jnp.int32).astype(_F32)
   underflowed = jnp.sum((x != 0) & (q.astype(_F32) == 0), dtype=jnp.int32).astype(_F32)
   return Quantized(q, scale, tile), saturated, underflowed
 
