@@ -54,6 +54,21 @@ def _setup(recipe, inner=None):
   return model, tx, tx.init(nnx.state(model, nnx.Param))
 
 
+def _step_by_hand(tx, value_and_grad_of):
+  """A jitted training step written out by hand: `value_and_grad_of(opt_state)` gives the
+  function that differentiates loss_fn, then the optimizer's update and apply."""
+
+  @nnx.jit
+  def step(model, opt_state, x, y):
+    loss, grads = value_and_grad_of(opt_state)(model, x, y)
+    params = nnx.state(model, nnx.Param)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    nnx.update(model, mp.optim.apply_updates(params, updates))
+    return loss, opt_state
+
+  return step
+
+
 def _unscaled_warnings(caught):
   return [w for w in caught if issubclass(w.category, mp.optim.UnscaledGradientsWarning)]
 
@@ -93,13 +108,7 @@ def test_value_and_grad_by_hand_loss_drops(recipe, data, fresh_warning):
   x, y = data
   model, tx, opt_state = _setup(recipe)
 
-  @nnx.jit
-  def step(model, opt_state, x, y):
-    loss, grads = mp.value_and_grad(loss_fn, opt_state)(model, x, y)
-    params = nnx.state(model, nnx.Param)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    nnx.update(model, mp.optim.apply_updates(params, updates))
-    return loss, opt_state
+  step = _step_by_hand(tx, lambda opt_state: mp.value_and_grad(loss_fn, opt_state))
 
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -183,13 +192,7 @@ def test_unscaled_gradients_warn_once_and_stall(data, fresh_warning):
   x, y = data
   model, tx, opt_state = _setup("f16_mixed")
 
-  @nnx.jit
-  def plain_step(model, opt_state, x, y):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-    params = nnx.state(model, nnx.Param)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    nnx.update(model, mp.optim.apply_updates(params, updates))
-    return loss, opt_state
+  plain_step = _step_by_hand(tx, lambda opt_state: nnx.value_and_grad(loss_fn))
 
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
