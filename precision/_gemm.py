@@ -216,11 +216,7 @@ def _canonical_conv_params(lhs, rhs, **kwargs) -> _ConvParams:
   jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
                              jax.ShapeDtypeStruct(rhs.shape, lhs.dtype))
   (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
-  p = eqn.params
-  return _ConvParams(tuple(p["window_strides"]), tuple(tuple(q) for q in p["padding"]),
-                     tuple(p["lhs_dilation"]), tuple(p["rhs_dilation"]),
-                     p["dimension_numbers"], p["feature_group_count"],
-                     p["batch_group_count"], p["precision"])
+  return conv_params_of(eqn.params)
 
 
 def conv_params_of(params: dict) -> _ConvParams:
@@ -233,12 +229,9 @@ def conv_params_of(params: dict) -> _ConvParams:
 
 
 def _conv_call(lhs, rhs, params: _ConvParams, preferred, out_sharding=None):
-  return lax.conv_general_dilated(
-      lhs, rhs, params.window_strides, params.padding, lhs_dilation=params.lhs_dilation,
-      rhs_dilation=params.rhs_dilation, dimension_numbers=params.dimension_numbers,
-      feature_group_count=params.feature_group_count,
-      batch_group_count=params.batch_group_count, precision=params.precision,
-      preferred_element_type=preferred, out_sharding=out_sharding)
+  # _ConvParams' fields are lax.conv_general_dilated's keyword arguments.
+  return lax.conv_general_dilated(lhs, rhs, **params._asdict(),
+                                  preferred_element_type=preferred, out_sharding=out_sharding)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
@@ -258,12 +251,7 @@ def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding, re
   del out_dtype, out_sharding
   lc, rc = res
   gc = g.astype(compute)  # compute x compute backward convolutions, f32 accumulation
-  kw = dict(window_strides=params.window_strides, padding=params.padding,
-            lhs_dilation=params.lhs_dilation, rhs_dilation=params.rhs_dilation,
-            dimension_numbers=params.dimension_numbers,
-            feature_group_count=params.feature_group_count,
-            batch_group_count=params.batch_group_count, precision=params.precision,
-            preferred_element_type=_F32, out_sharding=None)
+  kw = dict(params._asdict(), preferred_element_type=_F32, out_sharding=None)
   return _operand_grads(_compat.conv_transpose_lhs,
                         _compat.conv_transpose_rhs, gc, lc, rc, lhs_dtype,
                         rhs_dtype, kw)

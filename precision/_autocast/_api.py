@@ -155,9 +155,7 @@ class Traced:
   def outputs_in_traced_dtypes(self):
     """The outputs with every floating leaf cast back to its traced dtype."""
     leaves, tree = jax.tree_util.tree_flatten(self.outputs)
-    return jax.tree_util.tree_unflatten(tree, [
-        _interpret.R.cast(x, d) if _interpret.R.is_float(d) else x
-        for x, d in zip(leaves, self.traced_dtypes)])
+    return jax.tree_util.tree_unflatten(tree, _interpret.cast_all(leaves, self.traced_dtypes))
 
 
 def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
@@ -208,15 +206,13 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   out_tree = jax.tree_util.tree_structure(out_shape)
   # Every output keeps its traced dtype except the function's floating results, which
   # the caller casts; NNX state written back keeps each variable's own dtype.
-  traced_dtypes = [_interpret.R.as_dtype(v.aval.dtype) for v in closed.jaxpr.outvars]
+  traced_dtypes = _interpret.traced_dtypes(closed.jaxpr.outvars)
   result, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
   n_result = len(jax.tree_util.tree_leaves(result))
   if nodes:
-    state_leaves = jax.tree_util.tree_leaves(new_state)
-    state_leaves = [_interpret.R.cast(x, d) if _interpret.R.is_float(d) else x
-                    for x, d in zip(state_leaves, traced_dtypes[n_result:])]
-    new_state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(new_state),
-                                             state_leaves)
+    state_leaves, state_tree = jax.tree_util.tree_flatten(new_state)
+    new_state = jax.tree_util.tree_unflatten(
+        state_tree, _interpret.cast_all(state_leaves, traced_dtypes[n_result:]))
     nnx.update(tuple(nodes), new_state)
   if check_overrides:
     _check_overrides(spec, env)

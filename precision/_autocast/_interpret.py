@@ -148,14 +148,20 @@ def _eval_region(env: Env, eqns, region, vals: dict, prefix: str) -> None:
 # ----------------------------------------------------------------------------- rules
 
 
-def _as_traced(eqn, invals):
-  """Operands cast back to the dtypes the equation was traced with."""
-  return [R.cast(x, R.as_dtype(v.aval.dtype)) if R.is_float(R.dtype_of(x))
-          and R.is_float(v.aval.dtype) else x for x, v in zip(invals, eqn.invars)]
+def traced_dtypes(variables) -> list:
+  """The dtypes jaxpr variables were traced with."""
+  return [R.as_dtype(v.aval.dtype) for v in variables]
+
+
+def cast_all(xs, dtypes) -> list:
+  """Each floating value of `xs` cast to its floating entry of `dtypes`; others as they are."""
+  return [R.cast(x, d) if R.is_float(d) and R.is_float(R.dtype_of(x)) else x
+          for x, d in zip(xs, dtypes)]
 
 
 def _verbatim(eqn, invals):
-  return _compat.bind_eqn(eqn, _as_traced(eqn, invals))
+  """The equation bound as traced, its operands cast back to their traced dtypes."""
+  return _compat.bind_eqn(eqn, cast_all(invals, traced_dtypes(eqn.invars)))
 
 
 def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool):
@@ -239,15 +245,6 @@ def _same_dtypes(eqn, invals) -> bool:
              if hasattr(v.aval, "dtype") and hasattr(x, "dtype"))
 
 
-def _traced_out_dtypes(eqn) -> list[np.dtype]:
-  return [R.as_dtype(v.aval.dtype) for v in eqn.outvars]
-
-
-def _cast_all(xs, dtypes):
-  return [R.cast(x, d) if R.is_float(d) and R.is_float(R.dtype_of(x)) else x
-          for x, d in zip(xs, dtypes)]
-
-
 def _container(env: Env, eqn, invals, prefix: str):
   name, p = eqn.primitive.name, eqn.params
   if _same_dtypes(eqn, invals) and not any(changes(env, s, prefix) for s in _subjaxprs(eqn)):
@@ -264,8 +261,8 @@ def _container(env: Env, eqn, invals, prefix: str):
   if name == "cond":
     if p.get("branches_platforms"):
       return _verbatim(eqn, invals)  # lax.platform_dependent: kept per platform as written
-    outs = _traced_out_dtypes(eqn)
-    branches = [lambda *ops, b=b: _cast_all(run(b, list(ops)), outs) for b in p["branches"]]
+    outs = traced_dtypes(eqn.outvars)
+    branches = [lambda *ops, b=b: cast_all(run(b, list(ops)), outs) for b in p["branches"]]
     return lax.switch(invals[0], branches, *invals[1:])
   if name in ("remat2", "checkpoint"):
     fn = lambda *args: run(p["jaxpr"], list(args))
@@ -280,13 +277,13 @@ def _scan(eqn, invals, run):
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
   consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
-  carry_dtypes = [R.as_dtype(v.aval.dtype) for v in eqn.invars[nc:nc + nk]]
+  carry_dtypes = traced_dtypes(eqn.invars[nc:nc + nk])
 
   def body(carry, x):
     outs = run(p["jaxpr"], [*consts, *carry, *x])
-    return _cast_all(outs[:nk], carry_dtypes), outs[nk:]
+    return cast_all(outs[:nk], carry_dtypes), outs[nk:]
 
-  carry, ys = lax.scan(body, _cast_all(init, carry_dtypes), xs, length=p["length"],
+  carry, ys = lax.scan(body, cast_all(init, carry_dtypes), xs, length=p["length"],
                        reverse=p["reverse"], unroll=p["unroll"])
   return [*carry, *ys]
 
@@ -295,10 +292,10 @@ def _while(eqn, invals, run):
   p = eqn.params
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
   cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-  carry_dtypes = [R.as_dtype(v.aval.dtype) for v in eqn.invars[cn + bn:]]
+  carry_dtypes = traced_dtypes(eqn.invars[cn + bn:])
   cond = lambda c: run(p["cond_jaxpr"], [*cconsts, *c])[0]
-  body = lambda c: _cast_all(run(p["body_jaxpr"], [*bconsts, *c]), carry_dtypes)
-  return lax.while_loop(cond, body, _cast_all(init, carry_dtypes))
+  body = lambda c: cast_all(run(p["body_jaxpr"], [*bconsts, *c]), carry_dtypes)
+  return lax.while_loop(cond, body, cast_all(init, carry_dtypes))
 
 
 _JVP_RULES: dict = {}
