@@ -1,6 +1,7 @@
 """precision.autocast: the rules on small programs, gradient accuracy, overrides, control
 flow, errors; apply_policy / linen_policy specifics that the zoo does not pin down."""
 
+import concurrent.futures
 import functools
 
 import flax.linen as nn
@@ -216,6 +217,28 @@ def test_overrides_by_named_scope_and_module_type():
   report = mp.audit(lambda m, x: m(x), net, x)
   assert {g.scope.split("/")[0]: g.lhs_dtype for g in report.gemms} == {
       "a": "float32", "b": "bfloat16"}
+
+
+def test_module_scopes_and_type_overrides_in_another_thread():
+  """NNX module paths (and so overrides by module type and the audit's scopes) come from a
+  hook registered once at import: a trace in a worker thread sees them too."""
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.a = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+      self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.b(self.a(x))
+
+  def scopes():
+    net = mp.flax.apply_policy(Net(), MIXED, {"b": "f32"})
+    report = mp.audit(lambda m, x: m(x), net, jnp.ones((2, 4)))
+    return {g.scope.split("/")[0]: g.lhs_dtype for g in report.gemms}
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    in_thread = pool.submit(scopes).result()
+  assert in_thread == scopes() == {"a": "bfloat16", "b": "float32"}
 
 
 def test_linen_overrides_types_and_bad_pattern():

@@ -102,10 +102,11 @@ def _recipe_names():
 class _State(threading.local):
   def __init__(self):
     self.specs: list[AutocastSpec] = []   # the autocasts tracing now, innermost last
-    self.scope_hooks: list[Callable] = []
 
 
 _STATE = _State()
+# Registered once per process (at import), read by every thread: not thread-local.
+_SCOPE_HOOKS: list[Callable] = []
 
 
 def tracing() -> bool:
@@ -236,7 +237,7 @@ def _module_scopes(leaves, kinds, module_at, module_policy):
   nodes = [x for x, k in zip(leaves, kinds) if k == "node"]
   with contextlib.ExitStack() as stack:
     if nodes:
-      for hook in _STATE.scope_hooks:
+      for hook in _SCOPE_HOOKS:
         stack.enter_context(hook(nodes, module_at, module_policy))
     yield
 
@@ -244,8 +245,8 @@ def _module_scopes(leaves, kinds, module_at, module_policy):
 def register_scope_hook(hook: Callable) -> None:
   """`hook(nodes, module_at, module_policy)` -> context manager, entered while autocast
   traces a call that received graph nodes (precision.flax registers NNX's)."""
-  if hook not in _STATE.scope_hooks:
-    _STATE.scope_hooks.append(hook)
+  if hook not in _SCOPE_HOOKS:
+    _SCOPE_HOOKS.append(hook)
 
 
 # ----------------------------------------------------------------------------- public
