@@ -129,7 +129,7 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
     path = _module_path(module)
     if _api.tracing() or path or context.method_name == "setup":
       if _api.tracing() and path:
-        _TRACE.module_at.setdefault("/".join(str(p) for p in path), module)
+        _TRACE.module_at.setdefault(_overrides.path_str(path), module)
       return next_fun(*args, **kwargs)
     _TRACE.root_name, _TRACE.module_at = type(module).__name__, {}
     method = context.orig_method  # functools.partial(function, module) in Flax
@@ -138,6 +138,4 @@ def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | N
 
   with nn.intercept_methods(interceptor):
     yield spec.policy
-  unmatched = [r for r in spec.rules if r.key not in matched]
-  if unmatched:
-    _overrides.check_all_matched(spec.rules, matched, sorted(seen))
+  _overrides.check_all_matched(spec.rules, matched, sorted(seen))

@@ -53,9 +53,9 @@ def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices
     hooks, compute_dtype, reduce_dtype = plain_optax_hooks(), None, None
   else:
     from precision._autocast import _api  # pylint: disable=g-import-not-at-top
-    spec = _api.AutocastSpec.make(get_recipe(recipe).policy,
-                                  fp32_ops=get_recipe(recipe).fp32_ops)
     recipe = get_recipe(recipe)
+    # The policy and fp32 ops only: an fp8 recipe's GEMM state lives in the model's layers.
+    spec = _api.AutocastSpec.make(recipe.policy, fp32_ops=recipe.fp32_ops)
     # Stage 0 updates full, already reduced grads: every rank sees the same values, so no
     # cross-rank reduction in the optimizer. Stages 1-3 update shards: the finite check
     # and grad norm must be reduced over the axis so every rank decides alike.

@@ -93,7 +93,8 @@ def to_full(cfg, mesh, specs, state: TrainState, rng: Any = None) -> TrainState:
   `rng` replaces the state's rng when given.
   """
   layout = state.layout
-  dims = _sharded_dims(specs(layout)[1])
+  p_spec, o_spec = specs(layout)
+  dims = _sharded_dims(o_spec)
   shapes = jax.tree.leaves(full_opt_shapes(cfg, layout))
   leaves, treedef = jax.tree.flatten(state.opt_state)
   if len(leaves) != len(dims) or len(leaves) != len(shapes):
@@ -101,7 +102,6 @@ def to_full(cfg, mesh, specs, state: TrainState, rng: Any = None) -> TrainState:
                      "optimizer state; accepted: a state this DataParallel made")
 
   axis = cfg.axis_name
-  p_spec, o_spec = specs(layout)
 
   def body(params, opt):
     # Per device: gather the shards (bytes only), then drop the padding. The sharded
