@@ -465,14 +465,22 @@ def seeds_needed(effect: float, sd: float, m: int, alpha: float = ALPHA,
   least = 2 if test == "t" else max(2, sign_flip_seeds(m, alpha))
   if least > max_seeds:
     return None
-  start = least
-  while start <= max_seeds:
-    n = np.arange(start, min(start + 64, max_seeds + 1))
-    ok = np.nonzero(_t_power_array(effect, sd, n, alpha / m, True) >= power)[0]
-    if ok.size:
-      return int(n[ok[0]])
-    start += 64
-  return None
+  def enough(n: int) -> bool:
+    return bool(_t_power_array(effect, sd, np.array([n]), alpha / m, True)[0] >= power)
+
+  # The t test's power increases with n (larger noncentrality, smaller critical value), so
+  # the first n reaching `power` is found by doubling, then bisection.
+  if enough(least):
+    return least
+  low, high = least, least
+  while not enough(high):
+    if high >= max_seeds:
+      return None
+    low, high = high, min(2 * high, max_seeds)
+  while high - low > 1:  # enough(high) and not enough(low)
+    mid = (low + high) // 2
+    low, high = (low, mid) if enough(mid) else (mid, high)
+  return high
 
 
 # --------------------------------------------------------------------------- verdicts
