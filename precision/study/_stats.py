@@ -41,10 +41,10 @@ much worse on a few): with centred lognormal(0, 1) differences, independent betw
 recipes (10,000 trials), a single t test at alpha = 0.05 rejected 0.16 of the time at
 n = 3 and 0.18 at n = 5, and the family of 7 had a decision in 0.24 / 0.42. Such a recipe
 differs from the control on the typical seed, though not in mean; the sign-flip test,
-whose null is symmetry about 0, would not protect that mean-null either. For comparison the sign-flip test with Holm at n = 9,
-m = 7 (5,000 trials): 0.029 normal, 0.023 t3, 0.029 lognormal. `test="sign_flip"` keeps
-the distribution-free test for studies with enough seeds (m * 2^(1-n) <= alpha: n >= 9
-for 7 recipes).
+whose null is symmetry about 0, would not protect that mean-null either. For comparison,
+the A/A rate of the sign-flip test with Holm at n = 9, m = 7 (5,000 trials): 0.029
+normal, 0.023 t3, 0.029 lognormal. `test="sign_flip"` keeps the distribution-free test for
+studies with enough seeds (m * 2^(1-n) <= alpha: n >= 9 for 7 recipes).
 
 Equivalence: with a `margin`, a recipe is also tested for equivalence with the control by
 two one-sided t tests (TOST, H0: |mu| >= margin), Holm-corrected over the family. Measured
@@ -170,9 +170,9 @@ def paired_t_p_value(deltas: Sequence[float]) -> float:
   can be liberal for strongly skewed differences; see the module docstring for the rates
   measured on synthetic studies.
 
-  With sd == 0 (every difference identical) the statistic is undefined; by convention the p-value is 1.0 when every
-  difference is exactly zero (nothing to detect) and 0.0 when they are all equal and
-  nonzero (the same nonzero difference on every seed, no noise at all).
+  With sd == 0 (every difference identical) the statistic is undefined; by convention the
+  p-value is 1.0 when every difference is exactly zero (nothing to detect) and 0.0 when
+  they are all equal and nonzero (the same nonzero difference on every seed, no noise).
 
   Args:
     deltas: per-seed differences (recipe - control), finite floats, at least 2.
@@ -434,7 +434,9 @@ def seeds_needed(effect: float, sd: float, m: int, alpha: float = ALPHA,
   than `sign_flip_seeds(m, alpha)`, the seeds without which the sign-flip test cannot
   decide at all. That is an approximation: the permutation test of the mean has the t
   test's power asymptotically, less at small n (its p-values are discrete), so the count
-  is optimistic near the minimum.
+  is optimistic near the minimum. Measured (normal differences, 1000 trials, level
+  alpha / m, at the shift where the t power is 0.80): sign-flip power 0.57 at n = 9,
+  m = 7; 0.79 at n = 12, m = 7; 0.78 at n = 16, m = 7; 0.79 at n = 10, m = 1.
 
   Args:
     effect: true mean difference to detect (units of the deltas; sign ignored).
@@ -506,7 +508,8 @@ class Comparison(NamedTuple):
       Holm) to detect a true shift equal to the margin, or, without a margin, equal to
       |mean_delta| at the observed sd (an "observed power": a function of the p-value,
       useful only to size the next study); nan when undefined (sd 0). For the sign-flip
-      test it is the normal-theory t power, 0.0 where the test cannot decide.
+      test it is the normal-theory t power (optimistic near the fewest seeds that can
+      decide, see `seeds_needed`), 0.0 where the test cannot decide.
     seeds_needed: fewest seeds giving >= 80% power for that same effect (None if not
       computable, e.g. sd 0 or effect 0).
     test: the test used ("t" or "sign_flip").
