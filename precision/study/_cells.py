@@ -1,0 +1,275 @@
+"""One cell of a study: a (recipe, seed) training run that survives being killed.
+
+A cell lives in its own folder of the study's output:
+
+  cells/<arm>__s<seed>/ckpt/          precision.checkpoint steps (every `save_every` steps)
+  cells/<arm>__s<seed>/steps.jsonl    one record per step (and the evaluations)
+  cells/<arm>__s<seed>/attempts.jsonl one line per start or resume of the cell
+  cells/<arm>__s<seed>/done.json      the cell's outcome, written last and atomically
+
+A cell with done.json is finished and never run again. Otherwise a run continues from the
+newest intact checkpoint: the state is restored bit-exactly, steps.jsonl is cut back to the
+checkpoint's step (a torn last line from a kill is dropped), and the task's batch stream is
+replayed to that position, so the cell ends exactly as an uninterrupted one would.
+A cell that raises is finished as "failed" with the error; one whose gradients stay
+non-finite for `max_nonfinite` consecutive steps, or whose final evaluation is not
+finite, as "diverged". Neither stops the study.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+import traceback
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precision import checkpoint as ckpt_lib
+from precision._recipe import Recipe
+from precision.study import _models
+from precision.study._task import Task, batch_stream
+
+STATUSES = ("ok", "diverged", "failed")
+_STEP_FIELDS = ("loss", "grad_norm", "loss_scale", "skipped_steps", "nonfinite_steps",
+                "fp8_saturated")
+
+
+class Cell(NamedTuple):
+  """One (arm, seed) of the grid: `arm` names the row of the report, `recipe` is what
+  it trains, `index` pairs it with the control's cell of the same index, `seed` is what
+  the task receives (index + the arm's seed offset: A/A arms use other seeds)."""
+
+  arm: str
+  recipe: Recipe
+  index: int
+  seed: int
+
+  @property
+  def name(self) -> str:
+    return f"{self.arm}__s{self.index}"
+
+
+class CellSettings(NamedTuple):
+  """What every cell of a study shares."""
+
+  steps: int
+  eval_every: int
+  save_every: int
+  max_nonfinite: int
+  fp8_keeps: tuple[str, ...]
+
+
+def safe_name(name: str) -> str:
+  """A recipe name as a folder name: letters, digits, '.', '_' and '-' kept."""
+  return re.sub(r"[^A-Za-z0-9_.-]", "-", name)
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` so that a reader (or a kill) never sees half a file."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """The records of a JSONL file; a torn (unparsable) line, as a kill leaves, is dropped."""
+  out = []
+  try:
+    with open(path) as f:
+      for line in f:
+        line = line.strip()
+        if not line:
+          continue
+        try:
+          out.append(json.loads(line))
+        except json.JSONDecodeError:
+          continue
+  except FileNotFoundError:
+    pass
+  return out
+
+
+def cell_dir(out: str, cell: Cell) -> str:
+  return os.path.join(out, "cells", cell.name)
+
+
+def read_done(out: str, cell: Cell) -> dict | None:
+  """The finished cell's record, or None while it is not finished."""
+  path = os.path.join(cell_dir(out, cell), "done.json")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (FileNotFoundError, json.JSONDecodeError):
+    return None
+
+
+def read_steps(out: str, cell: Cell) -> list[dict]:
+  return read_jsonl(os.path.join(cell_dir(out, cell), "steps.jsonl"))
+
+
+def fingerprint(state: Any) -> str:
+  """SHA-256 over every array of the state (with its path, dtype and shape)."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if jnp.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    arr = np.asarray(jax.device_get(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype}:{arr.shape}".encode())
+    h.update(arr.tobytes())
+  return h.hexdigest()
+
+
+def _host(x) -> float | int:
+  v = np.asarray(jax.device_get(x))
+  return int(v) if np.issubdtype(v.dtype, np.integer) else float(v)
+
+
+def _finite(x) -> bool:
+  return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _truncate(path: str, last_step: int) -> None:
+  kept = [r for r in read_jsonl(path) if r.get("step", 0) <= last_step]
+  write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def run_cell(task: Task, cell: Cell, settings: CellSettings, out: str,
+             on_step: Callable[[int], None] | None = None) -> dict:
+  """Runs (or continues) one cell to its end and writes its done.json; returns it.
+
+  A finished cell is returned as recorded, without running. Exceptions of the task or
+  the recipe finish the cell as "failed"; KeyboardInterrupt and SystemExit propagate
+  (the cell stays unfinished and resumes next time).
+  """
+  done = read_done(out, cell)
+  if done is not None:
+    return done
+  folder = cell_dir(out, cell)
+  os.makedirs(folder, exist_ok=True)
+  try:
+    record = _train(task, cell, settings, folder, on_step)
+  except Exception as e:  # pylint: disable=broad-except
+    # A failing recipe is a result of the study, not its end.
+    msg = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+    with open(os.path.join(folder, "error.txt"), "w") as f:
+      f.write(traceback.format_exc())
+    record = {"arm": cell.arm, "recipe": cell.recipe.name, "index": cell.index,
+              "seed": cell.seed, "status": "failed", "error": msg}
+  write_atomic(os.path.join(folder, "done.json"), json.dumps(record, indent=1))
+  return record
+
+
+def _attempt(folder: str, event: str, step: int) -> None:
+  with open(os.path.join(folder, "attempts.jsonl"), "a") as f:
+    f.write(json.dumps({"event": event, "step": step, "pid": os.getpid(),
+                        "time": time.time()}) + "\n")
+
+
+def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
+           on_step: Callable[[int], None] | None) -> dict:
+  prog = _models.build(task, cell.recipe, cell.seed, settings.fp8_keeps)
+  steps_path = os.path.join(folder, "steps.jsonl")
+  ckpt = ckpt_lib.Checkpointer(os.path.join(folder, "ckpt"), keep=2)
+  try:
+    state, start = prog.state, 0
+    if ckpt.steps():
+      restored = ckpt.restore(prog.state, recipe=prog.recipe)
+      state, start = restored.state, restored.step
+    # Records after the restored step are redone; a fresh start redoes them all.
+    _truncate(steps_path, start if start else -1)
+    _attempt(folder, "resume" if start else "start", start)
+    batches = batch_stream(task, cell.seed, skip=start)
+    first = _next_batch(batches, task, cell, start)
+    compiled = prog.step.lower(state, first, jnp.int32(start)).compile()
+    memory = _memory(compiled)
+    records = read_jsonl(steps_path)
+    log = open(steps_path, "a")
+    try:
+      if start == 0 and settings.eval_every:
+        records.append({"step": 0, "eval": prog.evaluate(state)})
+        log.write(json.dumps(records[-1]) + "\n")
+      batch, stopped = first, None
+      for step in range(start, settings.steps):
+        if batch is None:
+          batch = _next_batch(batches, task, cell, step)
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch, jnp.int32(step))
+        metrics = {k: _host(metrics[k]) for k in _STEP_FIELDS + ("consecutive_nonfinite",)}
+        dt = time.perf_counter() - t0
+        batch = None
+        done = step + 1
+        rec = {"step": done, **{k: metrics[k] for k in _STEP_FIELDS}, "step_time_s": dt}
+        if metrics["consecutive_nonfinite"] >= settings.max_nonfinite:
+          stopped = (f"{metrics['consecutive_nonfinite']} consecutive steps with non-finite "
+                     f"gradients at step {done} (max_nonfinite={settings.max_nonfinite})")
+        if stopped or done == settings.steps or (
+            settings.eval_every and done % settings.eval_every == 0):
+          rec["eval"] = prog.evaluate(state)
+        records.append(rec)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if on_step is not None:
+          on_step(1)
+        if stopped:
+          break
+        if done < settings.steps and done % settings.save_every == 0:
+          ckpt.save(done, state, recipe=prog.recipe, seed=cell.seed,
+                    extra={"arm": cell.arm, "index": cell.index})
+    finally:
+      log.close()
+  finally:
+    ckpt.close()
+  return _summary(cell, prog, records, state, memory, stopped)
+
+
+def _next_batch(batches, task: Task, cell: Cell, step: int):
+  try:
+    return next(batches)
+  except StopIteration:
+    raise ValueError(f"Task.batches({cell.seed}) ended after {step} batches; accepted: "
+                     "an iterator of at least `steps` batches") from None
+
+
+def _memory(compiled) -> dict[str, int]:
+  ma = compiled.memory_analysis()
+  if ma is None:
+    return {}
+  out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias",
+                                                              "temp")}
+  out["argument_plus_temp"] = out["argument"] + out["temp"]
+  return out
+
+
+def _summary(cell: Cell, prog: _models.Program, records: list[dict], state: Any,
+             memory: dict, stopped: str | None) -> dict:
+  steps = [r for r in records if "loss" in r]
+  evals = [[r["step"], r["eval"]] for r in records if "eval" in r]
+  last = steps[-1] if steps else {}
+  final = evals[-1][1] if evals else None
+  status = "ok"
+  if stopped is not None or not _finite(final) or not _finite(last.get("loss")):
+    status = "diverged"
+  times = [r["step_time_s"] for r in steps[1:]] or [r["step_time_s"] for r in steps]
+  return {
+      "arm": cell.arm, "recipe": cell.recipe.name, "index": cell.index, "seed": cell.seed,
+      "status": status, "error": stopped, "kind": prog.kind, "n_params": prog.n_params,
+      "steps_done": last.get("step", 0), "final_metric": final,
+      "final_loss": last.get("loss"), "eval_curve": evals,
+      "skipped_steps": last.get("skipped_steps", 0),
+      "nonfinite_steps": last.get("nonfinite_steps", 0),
+      "final_loss_scale": last.get("loss_scale"),
+      "max_fp8_saturated": max((r.get("fp8_saturated", 0.0) for r in steps), default=0.0),
+      "step_memory_bytes": memory.get("argument_plus_temp"),
+      "fingerprint": fingerprint(state),
+      "timing": {"median_step_s": float(np.median(times)) if times else None},
+  }

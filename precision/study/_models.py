@@ -1,0 +1,329 @@
+"""A task's model trained under one recipe: the `Program` of a (recipe, seed) cell.
+
+Three kinds of model, one training step for all of them:
+
+* ``nnx``: an `nnx.Module`. The recipe is applied with `precision.flax.apply_recipe`
+  (its calls run under autocast; fp8 recipes get fp8 layers with their scaling state),
+  then the model is split into params and the rest (BatchNorm statistics, RNG counters,
+  fp8 state), and each step is `precision.train_step` on the merged model.
+* ``linen``: a ``(module, variables)`` pair. The loss runs under `precision.autocast`,
+  the user's loss receives a `LinenModel` that applies the module with the current
+  params and collections (mutable collections carried out, rng streams keyed by seed and
+  step).
+* ``params``: a pytree of param arrays; the loss ``loss(params, batch)`` runs under
+  `precision.autocast`.
+
+For the linen and params kinds one step is `precision.value_and_grad` (the loss scaled by
+the optimizer's loss scale), ``tx.update`` and `precision.optim.apply_updates`, exactly as
+`precision.train_step` does for NNX. Params start as the task's f32 weights cast to the
+recipe's param dtype (round to nearest), so every recipe of a seed starts from the same
+weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import unfreeze
+
+from precision import _autocast
+from precision import flax as mp_flax
+from precision import fp8 as mp_fp8
+from precision import optim
+from precision._recipe import Recipe
+from precision._state import TrainState
+from precision._train import train_step, value_and_grad
+from precision.audit import audit
+from precision.study._task import Task
+
+KINDS = ("nnx", "linen", "params")
+_F32 = jnp.float32
+
+
+def model_kind(model: Any) -> str:
+  """"nnx", "linen" or "params" for what ``Task.init`` returned; ValueError otherwise."""
+  if isinstance(model, nnx.Module):
+    return "nnx"
+  if (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module)):
+    variables = model[1]
+    if not (isinstance(variables, Mapping) and "params" in variables):
+      raise ValueError(
+          f"Task.init returned ({type(model[0]).__name__}, {type(variables).__name__}); "
+          "accepted for Linen: (module, variables) with variables['params'] (what "
+          "module.init returns)")
+    return "linen"
+  leaves = jax.tree.leaves(model)
+  if leaves and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves):
+    floating = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+    if floating:
+      return "params"
+  raise ValueError(
+      f"Task.init returned a {type(model).__name__}; accepted: an nnx.Module, a Linen "
+      "(module, variables) pair, or a pytree of arrays with floating params")
+
+
+def _check_f32(kind: str, params: Any) -> None:
+  bad = sorted({str(x.dtype) for x in jax.tree.leaves(params)
+                if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != _F32})
+  if bad:
+    raise ValueError(f"Task.init returned {kind} params in {', '.join(bad)}; accepted: "
+                     "float32 params (the study casts them to each recipe's param dtype, "
+                     "so every recipe starts from the same weights)")
+
+
+class LinenModel:
+  """A Linen module bound to the study's current variables: call it like ``apply``.
+
+  ``model(*args, **kwargs)`` is ``module.apply(variables, *args, **kwargs)`` with the
+  current params and collections; while training (`training` True) every non-param
+  collection is mutable and its update is kept (BatchNorm statistics), and each rng
+  stream of the task gets ``fold_in(step_key, call_index)``. ``method=`` picks another
+  method of the module, as in ``apply``.
+
+  Attributes:
+    module: the Linen module. params: its params (the recipe's param dtype).
+    state: the other collections ({} if none). training: True in a training step, False
+      in evaluation (write ``model(x, train=model.training)``).
+  """
+
+  def __init__(self, module: nn.Module, params: Any, state: Mapping[str, Any],
+               rng: jax.Array | None, training: bool, streams: tuple[str, ...] = ("dropout",),
+               recipe: Recipe | None = None):
+    self.module, self.params, self.state = module, params, dict(state)
+    self.training = training
+    self._rng, self._streams, self._calls, self._recipe = rng, streams, 0, recipe
+
+  def __call__(self, *args, method=None, **kwargs):
+    rngs = None
+    if self._rng is not None and self._streams:
+      key = jax.random.fold_in(self._rng, self._calls)
+      rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(self._streams)}
+    self._calls += 1
+    mutable = list(self.state) if self.training else False
+    module = self.module
+
+    def apply(params, state):
+      return module.apply({"params": params, **state}, *args, rngs=rngs, mutable=mutable,
+                          method=method, **kwargs)
+
+    if self._recipe is not None:
+      # Evaluation of a user's `evaluate`: the apply runs under the recipe as training did.
+      apply = _autocast.autocast(apply, self._recipe)
+    out = apply(self.params, self.state)
+    if mutable:
+      out, updated = out
+      self.state = {**self.state, **unfreeze(updated)}
+    return out
+
+
+@dataclasses.dataclass
+class Program:
+  """One (recipe, seed) cell's model, initial state and jitted step.
+
+  Attributes:
+    kind: "nnx", "linen" or "params".
+    recipe: the recipe trained (fp8 first/last GEMMs already added to its kept list).
+    state: the initial TrainState (params in the param dtype, optimizer state, the
+      model's other state, rng: uint32 key data of ``key(seed)``).
+    step: ``step(state, batch, t) -> (state, metrics)``, jitted, donating `state`;
+      metrics: device scalars loss, grad_norm, loss_scale, skipped_steps,
+      nonfinite_steps, consecutive_nonfinite, fp8_saturated.
+    evaluate: ``evaluate(state) -> float``.
+    n_params: trainable parameter count.
+  """
+
+  kind: str
+  recipe: Recipe
+  state: TrainState
+  step: Callable[..., Any]
+  evaluate: Callable[[TrainState], float]
+  n_params: int
+
+
+def _fnmatch_literal(path: str) -> str:
+  # Module paths are matched with fnmatch; a literal path must not act as a pattern.
+  return "".join(f"[{c}]" if c in "*?[]" else c for c in path)
+
+
+def fp8_role_keeps(task: Task, model: nnx.Module, batch: Any) -> tuple[str, ...]:
+  """Module paths of the first and last forward GEMM of an NNX model's loss.
+
+  Transformer Engine's practice, stated as a rule of the study: under an fp8 recipe the
+  first GEMM (the stem or first projection) and the last (the head) stay in the compute
+  dtype whatever the layers are called. Found by tracing the loss of the model under the
+  fp32 recipe (nothing runs) and reading the module scope of each forward GEMM.
+
+  Returns:
+    The distinct paths (1 or 2), or () when the model has no GEMM in a module scope.
+  """
+  mp_flax.apply_recipe(model, "fp32")
+  gemms = [g for g in audit(task.loss, model, batch).gemms if g.direction == "fwd"]
+  scopes = [g.scope for g in gemms if g.scope]
+  if not scopes:
+    return ()
+  return tuple(dict.fromkeys((scopes[0], scopes[-1])))
+
+
+def with_fp8_keeps(recipe: Recipe, paths: tuple[str, ...]) -> Recipe:
+  """`recipe` whose fp8 config also keeps the GEMMs of `paths` in the compute dtype."""
+  if recipe.fp8 is None or not paths:
+    return recipe
+  keep = tuple(dict.fromkeys(recipe.fp8.keep_high_precision
+                             + tuple(_fnmatch_literal(p) for p in paths)))
+  return recipe.replace(fp8=dataclasses.replace(recipe.fp8, keep_high_precision=keep))
+
+
+def _copy_leaves(tree: Any) -> Any:
+  # Optimizer inits may share one buffer between leaves (zero counters); a donated step
+  # needs every leaf in a buffer of its own.
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _rng_data(seed: int) -> jax.Array:
+  return jax.random.key_data(jax.random.key(seed))
+
+
+def _metrics(opt_state: Any, loss: jax.Array, fp8_saturated: jax.Array | None) -> dict:
+  m = dict(optim.optimizer_metrics(opt_state))
+  m["loss"] = loss
+  m["fp8_saturated"] = (jnp.zeros((), _F32) if fp8_saturated is None
+                        else jnp.asarray(fp8_saturated, _F32))
+  return m
+
+
+def _mean(values: list[float]) -> float:
+  return float(np.mean(np.asarray(values, np.float64)))
+
+
+def build(task: Task, recipe: Recipe, seed: int, fp8_keeps: tuple[str, ...] = ()
+          ) -> Program:
+  """The Program of `task` under `recipe` for `seed` (calls ``task.init(seed)``)."""
+  model = task.init(seed)
+  kind = model_kind(model)
+  tx = optim.build_optimizer(recipe, task.optimizer, seed=seed)
+  held_out = None if task.evaluate is not None else task.held_out()
+  if kind == "nnx":
+    return _build_nnx(task, with_fp8_keeps(recipe, fp8_keeps), seed, model, tx, held_out)
+  return _build_functional(task, recipe, seed, kind, model, tx, held_out)
+
+
+def _build_nnx(task, recipe, seed, model, tx, held_out) -> Program:
+  _check_f32("NNX", nnx.state(model, nnx.Param))
+  mp_flax.apply_recipe(model, recipe)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  has_fp8 = bool(mp_fp8.fp8_modules(model))
+  state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(rest),
+                     _rng_data(seed))
+
+  def step(state: TrainState, batch: Any, t: jax.Array):
+    del t  # NNX models draw their randomness from their own Rngs (in model_state)
+    m = nnx.merge(graphdef, state.params, state.model_state)
+    loss, opt_state = train_step(m, tx, state.opt_state, task.loss, batch)
+    _, params, rest = nnx.split(m, nnx.Param, ...)
+    sat = mp_fp8.fp8_metrics(m)["fp8/saturated"] if has_fp8 else None
+    return (state._replace(params=params, opt_state=opt_state, model_state=rest),
+            _metrics(opt_state, loss, sat))
+
+  if held_out is not None:
+    def eval_loss(params, rest, batch):
+      m = nnx.merge(graphdef, params, rest)
+      m.eval()  # deterministic dropout, running statistics
+      return jnp.asarray(task.loss(m, batch), _F32)
+
+    eval_jit = jax.jit(eval_loss)
+    evaluate = lambda s: _mean([float(eval_jit(s.params, s.model_state, b))
+                                for b in held_out])
+  else:
+    evaluate = lambda s: float(task.evaluate(nnx.merge(graphdef, s.params, s.model_state)))
+  n = int(sum(x.size for x in jax.tree.leaves(params)))
+  return Program("nnx", recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n)
+
+
+def _build_functional(task, recipe, seed, kind, model, tx, held_out) -> Program:
+  if kind == "linen":
+    module, variables = model
+    variables = unfreeze(variables)
+    f32_params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+  else:
+    module, f32_params, model_state = None, model, {}
+  _check_f32(kind, f32_params)
+  params = recipe.policy.cast_to_param(f32_params)
+  streams = task.rng_streams
+
+  def loss_of(params, model_state, batch, rng):
+    if module is None:
+      return task.loss(params, batch), model_state
+    m = LinenModel(module, params, model_state, rng, training=True, streams=streams)
+    loss = task.loss(m, batch)
+    return loss, m.state
+
+  loss_under_recipe = _autocast.autocast(loss_of, recipe)
+
+  def step(state: TrainState, batch: Any, t: jax.Array):
+    # Common random numbers: the key of step t depends on the seed and t only.
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), t)
+    (loss, new_model_state), grads = value_and_grad(
+        loss_under_recipe, state.opt_state, has_aux=True)(
+            state.params, state.model_state, batch, rng)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optim.apply_updates(state.params, updates)
+    return (state._replace(params=params, opt_state=opt_state, model_state=new_model_state),
+            _metrics(opt_state, loss, None))
+
+  if held_out is not None:
+    def eval_loss(params, model_state, batch):
+      if module is None:
+        return jnp.asarray(task.loss(params, batch), _F32)
+      m = LinenModel(module, params, model_state, None, training=False, streams=streams)
+      return jnp.asarray(task.loss(m, batch), _F32)
+
+    eval_jit = jax.jit(_autocast.autocast(eval_loss, recipe))
+    evaluate = lambda s: _mean([float(eval_jit(s.params, s.model_state, b))
+                                for b in held_out])
+  elif module is None:
+    evaluate = lambda s: float(task.evaluate(s.params))
+  else:
+    evaluate = lambda s: float(task.evaluate(LinenModel(
+        module, s.params, s.model_state, None, training=False, streams=streams,
+        recipe=recipe)))
+  state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(model_state),
+                     _rng_data(seed))
+  n = int(sum(x.size for x in jax.tree.leaves(params)))
+  return Program(kind, recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n)
+
+
+def check_loss(task: Task, model: Any, batch: Any) -> None:
+  """Raises ValueError unless ``task.loss(model, batch)`` is a floating scalar (traced
+  abstractly under fp32: nothing runs)."""
+  kind = model_kind(model)
+  if kind == "nnx":
+    graphdef, state = nnx.split(model)
+    fn = lambda s, b: task.loss(nnx.merge(graphdef, s), b)
+    args = (state, batch)
+  elif kind == "linen":
+    module, variables = model
+    variables = unfreeze(variables)
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    fn = lambda p, b: task.loss(LinenModel(module, p, rest, jax.random.key(0), True,
+                                           task.rng_streams), b)
+    args = (variables["params"], batch)
+  else:
+    fn, args = task.loss, (model, batch)
+  try:
+    out = jax.eval_shape(fn, *args)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f"Task.loss(model, batch) failed on the first batch of seed 0: "
+                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                     ) from e
+  shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+  if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    what = f"{dtype}{list(shape)}" if shape is not None else type(out).__name__
+    raise ValueError(f"Task.loss returned {what}; accepted: a floating scalar (the mean "
+                     "over the batch)")

@@ -1,0 +1,441 @@
+"""`run`: the recipe x seed grid of a task, resumable and shardable; `report_only`.
+
+The grid: every recipe (the control first, fp32 by default) on seed indices 0..seeds-1,
+recipe-major. Seed index i gives every recipe the same initial weights and data order
+(``task.init(i)``, ``task.batches(i)``): common random numbers, so the difference of a
+recipe from the control on the same seed is free of the seed-to-seed variation both
+share. An A/A arm (`aa=True`) trains the control again on other seeds (i + AA_SEED_OFFSET),
+paired with the control's index i: a recipe that is the control by construction, whose
+verdict should be "no difference" (a check of the test on this task's noise).
+
+Output folder: study.json (what the study is: task, recipes, seeds, steps; a rerun with
+other settings is refused), cells/ (one folder per cell, see `_cells`), costs.json
+(interleaved step timing), and the report: results.jsonl, summary.md, summary.json,
+loss_curves.png, loss_scale.png.
+
+Sharding: slice K of N runs cells K-1, K-1+N, ... of the grid; every slice writes into the
+same folder, and `report_only` (``--report-only``) merges once all are finished. With
+``SLURM_ARRAY_TASK_ID``/``SLURM_ARRAY_TASK_COUNT`` set (a Slurm array job) and no shard
+given, the slice is taken from them. A run of slice 1/1 writes the report at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import numbers
+import os
+import re
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precision import optim
+from precision._recipe import PRESETS, Recipe, get_recipe
+from precision.study import _cells
+from precision.study import _models
+from precision.study import _report
+from precision.study import _stats
+from precision.study._task import Task
+
+FORMAT = 1
+AA_SEED_OFFSET = 1_000_000
+GROWTH_STEPS_PER_RUN = 15  # "auto" growth interval: the scale may double this often a run
+_STUDY_FILE = "study.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+  """What a study trains (the identity an output folder keeps) and how it runs.
+
+  Attributes:
+    recipes: the recipes, the control among them (put first).
+    seeds: seed indices 0..seeds-1 per recipe.
+    steps: optimizer steps per cell.
+    eval_every: evaluation every this many steps (and at 0 and the end); 0: at the end.
+    save_every: checkpoint every this many steps (resumes lose at most this many).
+    control: name of the recipe the others are judged against.
+    aa: add the A/A arm (the control on other seeds).
+    growth_interval: "recipe" (each recipe's own), "auto" (steps // 15: growth and
+      back-off both happen in a short run) or an int: the dynamic loss scale's growth
+      interval in this study.
+    max_nonfinite: a cell stops as diverged after this many consecutive non-finite steps.
+  """
+
+  recipes: tuple[Recipe, ...]
+  seeds: int
+  steps: int
+  eval_every: int
+  save_every: int
+  control: str
+  aa: bool
+  growth_interval: str | int
+  max_nonfinite: int
+
+  def arms(self) -> list[tuple[str, Recipe, int]]:
+    """(arm name, recipe, seed offset) of every row: the control first, A/A last."""
+    out = [(r.name, r, 0) for r in self.recipes]
+    if self.aa:
+      out.append((f"{self.control}-aa", self.recipe(self.control), AA_SEED_OFFSET))
+    return out
+
+  def recipe(self, name: str) -> Recipe:
+    return next(r for r in self.recipes if r.name == name)
+
+  def grid(self) -> list[_cells.Cell]:
+    """Every cell, arm-major."""
+    return [_cells.Cell(arm, recipe, i, i + offset)
+            for arm, recipe, offset in self.arms() for i in range(self.seeds)]
+
+
+def _int(name: str, v: Any, lo: int) -> int:
+  if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+    raise ValueError(f"{name}={v!r}; accepted: an integer >= {lo}")
+  return int(v)
+
+
+def _with_growth(recipe: Recipe, growth: int | None) -> Recipe:
+  if growth is None or recipe.loss_scale.kind != "dynamic":
+    return recipe
+  return recipe.replace(loss_scale=dataclasses.replace(recipe.loss_scale,
+                                                       growth_interval=growth))
+
+
+def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *,
+                eval_every: int | None = None, save_every: int | None = None,
+                control: str = "fp32", aa: bool = False,
+                growth_interval: str | int = "recipe", max_nonfinite: int = 50
+                ) -> StudyConfig:
+  """A validated StudyConfig (ValueError naming any bad value and what is accepted)."""
+  if isinstance(recipes, str):
+    recipes = [r.strip() for r in recipes.split(",") if r.strip()]
+  resolved = []
+  for r in recipes:
+    if isinstance(r, str) and r not in PRESETS:
+      raise ValueError(f"recipe {r!r} does not exist; presets: {', '.join(PRESETS)}")
+    resolved.append(get_recipe(r))
+  names = [r.name for r in resolved]
+  dup = sorted({n for n in names if names.count(n) > 1})
+  if dup:
+    raise ValueError(f"recipes {dup} are named twice; accepted: distinct recipe names")
+  if control not in names:
+    if control in PRESETS:
+      resolved.insert(0, get_recipe(control))
+    else:
+      raise ValueError(f"control={control!r} is neither among the recipes {names} nor a "
+                       f"preset ({', '.join(PRESETS)})")
+  seeds = _int("seeds", seeds, 2)
+  steps = _int("steps", steps, 1)
+  eval_every = max(1, steps // 10) if eval_every is None else _int("eval_every", eval_every, 0)
+  save_every = max(1, steps // 10) if save_every is None else _int("save_every", save_every, 1)
+  max_nonfinite = _int("max_nonfinite", max_nonfinite, 1)
+  if not isinstance(aa, bool):
+    raise ValueError(f"aa={aa!r}; accepted: True or False")
+  g = growth_interval
+  if isinstance(g, str) and g.isdigit():
+    g = int(g)
+  if g == "auto":
+    growth = max(1, steps // GROWTH_STEPS_PER_RUN)
+  elif g == "recipe":
+    growth = None
+  elif isinstance(g, int) and not isinstance(g, bool) and g >= 1:
+    growth = g
+  else:
+    raise ValueError(f"growth_interval={growth_interval!r}; accepted: 'recipe', 'auto' or "
+                     "an integer >= 1 (steps)")
+  control_first = sorted(resolved, key=lambda r: r.name != control)
+  return StudyConfig(tuple(_with_growth(r, growth) for r in control_first), seeds, steps,
+                     eval_every, save_every, control, aa, g, max_nonfinite)
+
+
+def parse_shard(text: str | Sequence[int] | None) -> tuple[int, int]:
+  """"K/N" (or (K, N)) -> (K, N) with 1 <= K <= N; None -> the Slurm array slice, else 1/1.
+
+  Slurm: K = SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN + 1 (MIN 0 when unset), N =
+  SLURM_ARRAY_TASK_COUNT.
+  """
+  if text is None:
+    tid, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get(
+        "SLURM_ARRAY_TASK_COUNT")
+    if tid is None or count is None:
+      return 1, 1
+    try:
+      k = int(tid) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0")) + 1
+      n = int(count)
+    except ValueError:
+      raise ValueError(f"SLURM_ARRAY_TASK_ID={tid!r}, SLURM_ARRAY_TASK_COUNT={count!r}: "
+                       "accepted: integers") from None
+    if not 1 <= k <= n:
+      raise ValueError(f"the Slurm array gives slice {k} of {n} (SLURM_ARRAY_TASK_ID={tid},"
+                       f" SLURM_ARRAY_TASK_MIN={os.environ.get('SLURM_ARRAY_TASK_MIN', '0')}"
+                       f", SLURM_ARRAY_TASK_COUNT={count}); accepted: 1 <= K <= N")
+    return k, n
+  if isinstance(text, str):
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m:
+      raise ValueError(f"shard {text!r}; accepted: K/N with 1 <= K <= N, e.g. 1/4")
+    k, n = int(m.group(1)), int(m.group(2))
+  else:
+    k, n = (int(x) for x in text)
+  if not 1 <= k <= n:
+    raise ValueError(f"shard {k}/{n}; accepted: K/N with 1 <= K <= N, e.g. 1/4")
+  return k, n
+
+
+def _digest(tree: Any, h) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    arr = np.asarray(jax.device_get(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype}:{arr.shape}".encode())
+    h.update(arr.tobytes())
+
+
+class _Preflight:
+  """What the study learns from the task before any cell: its kind, that its loss is a
+  floating scalar, a digest of seed 0's initial params and first batch (a changed task
+  is another study), and the fp8 GEMMs kept by role."""
+
+  def __init__(self, task: Task, cfg: StudyConfig):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    model = task.init(0)
+    self.kind = _models.model_kind(model)
+    try:
+      batch = next(iter(task.batches(0)))
+    except StopIteration:
+      raise ValueError("Task.batches(0) yielded no batch; accepted: an iterator of at "
+                       "least `steps` batches") from None
+    _models.check_loss(task, model, batch)
+    h = hashlib.sha256()
+    if self.kind == "nnx":
+      _digest(nnx.state(model, nnx.Param), h)
+    elif self.kind == "linen":
+      _digest(model[1], h)
+    else:
+      _digest(model, h)
+    _digest(batch, h)
+    self.digest = h.hexdigest()
+    self.fp8_keeps: tuple[str, ...] = ()
+    if self.kind == "nnx" and any(r.fp8 is not None for r in cfg.recipes):
+      self.fp8_keeps = _models.fp8_role_keeps(task, task.init(0), batch)
+
+
+def identity(cfg: StudyConfig, task: Task, digest: str) -> dict:
+  """What makes two runs the same study (settings that change no number are left out)."""
+  return {"format": FORMAT, "task": task.name, "task_digest": digest,
+          "recipes": [r.to_dict() for r in cfg.recipes], "control": cfg.control,
+          "seeds": cfg.seeds, "steps": cfg.steps, "eval_every": cfg.eval_every,
+          "aa": cfg.aa, "max_nonfinite": cfg.max_nonfinite}
+
+
+def _check_out(out: str, ident: dict, extra: dict) -> None:
+  path = os.path.join(out, _STUDY_FILE)
+  if os.path.exists(path):
+    with open(path) as f:
+      try:
+        old = json.load(f)
+      except json.JSONDecodeError:
+        raise ValueError(f"{path} is not a study file (unreadable JSON); use another "
+                         "--out") from None
+    old_ident = old.get("identity", {})
+    if old_ident != ident:
+      diff = sorted(k for k in set(old_ident) | set(ident) if old_ident.get(k) != ident.get(k))
+      raise ValueError(f"--out {out} holds a study with another configuration (differs in: "
+                       f"{', '.join(diff)}); accepted: the same task and settings to "
+                       "continue it, or another --out")
+    return
+  if os.path.isdir(out) and any(not n.startswith(".") for n in os.listdir(out)):
+    raise ValueError(f"--out {out} exists and holds no study ({_STUDY_FILE} missing); "
+                     "accepted: a new or empty folder, or a study's folder")
+  os.makedirs(out, exist_ok=True)
+  _cells.write_atomic(path, json.dumps({"identity": ident, **extra}, indent=1))
+
+
+def _read_study(out: str) -> dict:
+  path = os.path.join(out, _STUDY_FILE)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise ValueError(f"--out {out} holds no study ({_STUDY_FILE} missing); run the study "
+                     "into it first") from None
+
+
+def config_from_study(study: dict) -> StudyConfig:
+  ident, extra = study["identity"], study["settings"]
+  recipes = tuple(Recipe.from_dict(d) for d in ident["recipes"])
+  return StudyConfig(recipes, ident["seeds"], ident["steps"], ident["eval_every"],
+                     extra["save_every"], ident["control"], ident["aa"],
+                     extra["growth_interval"], ident["max_nonfinite"])
+
+
+class _Compile_cache:
+  """The persistent compilation cache pointed into the study folder while it runs: the
+  seeds of a recipe compile to one program, loaded after its first compile."""
+
+  def __init__(self, out: str):
+    self.dir = os.path.join(out, ".compile_cache")
+
+  def __enter__(self):
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    self.saved = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update("jax_compilation_cache_dir", self.dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return self
+
+  def __exit__(self, *exc):
+    for k, v in self.saved.items():
+      jax.config.update(k, v)
+
+
+def _bar(total: int, initial: int, desc: str, progress: bool):
+  if not progress:
+    return None
+  try:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, unit="step")
+
+
+def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed"),
+        seeds: int = 3, steps: int = 100, out: str = "study_out", *,
+        eval_every: int | None = None, save_every: int | None = None,
+        shard: str | Sequence[int] | None = None, margin: float | None = None,
+        target: float | None = None, alpha: float = _stats.ALPHA, test: str = "t",
+        aa: bool = False, control: str = "fp32", growth_interval: str | int = "recipe",
+        max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True
+        ) -> _report.StudyResult | None:
+  """Trains `task` under every recipe x seed and judges each recipe against the control.
+
+  Args:
+    task: the user's `Task`.
+    recipes: preset names or Recipes (a comma-separated string too); the control (fp32
+      unless `control` says otherwise) is added when missing.
+    seeds: seeds per recipe (>= 2: a verdict needs pairs).
+    steps: optimizer steps per cell.
+    out: output folder; a rerun of the same study continues it (finished cells are not
+      rerun, unfinished ones resume bit-exactly from their last checkpoint).
+    eval_every, save_every: evaluation and checkpoint intervals (default steps // 10).
+    shard: "K/N": run slice K of N of the grid (None: the Slurm array's slice, else 1/1).
+    margin: equivalence margin in the metric's units: "holds up within margin" by two
+      one-sided tests (None: no equivalence verdict).
+    target: a metric value; time-to-target (first evaluated step at or below it) per
+      cell and its paired difference from the control.
+    alpha: family-wise error rate of the verdicts. test: "t" (paired t, default) or
+      "sign_flip" (exact, distribution-free; needs more seeds).
+    aa: add the A/A arm (the control on other seeds; its verdict should be none).
+    control: the recipe the others are judged against.
+    growth_interval: dynamic loss-scale growth interval ("recipe", "auto" or steps).
+    max_nonfinite: consecutive non-finite steps after which a cell is "diverged".
+    timing_rounds: rounds of interleaved step timing for the cost columns (0: none).
+    progress: a tqdm bar over the slice's steps on stderr.
+
+  Returns:
+    The StudyResult once every cell of the grid is finished (the report written into
+    `out`), else None (other slices are still to run: then `report_only(out)`).
+
+  Raises:
+    ValueError: a bad argument, a task whose loss is not a floating scalar or that
+      returns no f32 model, or an `out` holding another study's files.
+  """
+  if not isinstance(task, Task):
+    raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
+  cfg = make_config(recipes, seeds, steps, eval_every=eval_every, save_every=save_every,
+                    control=control, aa=aa, growth_interval=growth_interval,
+                    max_nonfinite=max_nonfinite)
+  k, n = parse_shard(shard)
+  judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
+  _int("timing_rounds", timing_rounds, 0)
+  pre = _Preflight(task, cfg)
+  settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
+                                 cfg.max_nonfinite, pre.fp8_keeps)
+  _check_out(out, identity(cfg, task, pre.digest), {
+      "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
+      "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps)})
+  mine = cfg.grid()[k - 1::n]
+  todo = [c for c in mine if _cells.read_done(out, c) is None]
+  bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
+             "study" if n == 1 else f"study {k}/{n}", progress)
+  with _Compile_cache(out):
+    for cell in todo:
+      if bar is not None:
+        bar.set_postfix_str(cell.name)
+      _cells.run_cell(task, cell, settings, out, on_step=bar.update if bar else None)
+    if bar is not None:
+      bar.close()
+    if any(_cells.read_done(out, c) is None for c in cfg.grid()):
+      return None
+    _measure_costs(task, cfg, settings, out, timing_rounds)
+  return _report.write(out, cfg, judge, task_name=task.name)
+
+
+def report_only(out: str, *, margin: float | None = None, target: float | None = None,
+                alpha: float = _stats.ALPHA, test: str = "t", task: Task | None = None,
+                timing_rounds: int = 5) -> _report.StudyResult:
+  """Merges the finished cells in `out` (every slice's) and writes the report.
+
+  Raises:
+    ValueError: `out` holds no study, or cells are not finished (named, with the slice
+      that runs them).
+  """
+  study = _read_study(out)
+  cfg = config_from_study(study)
+  judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
+  missing = [c.name for c in cfg.grid() if _cells.read_done(out, c) is None]
+  if missing:
+    raise ValueError(f"{out}: cells {missing[:6]}{' ...' if len(missing) > 6 else ''} are "
+                     "not finished; run their slices (--shard K/N), then --report-only")
+  if task is not None:
+    settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
+                                   cfg.max_nonfinite, tuple(study.get("fp8_kept_by_role", ())))
+    with _Compile_cache(out):
+      _measure_costs(task, cfg, settings, out, timing_rounds)
+  return _report.write(out, cfg, judge, task_name=study["identity"]["task"])
+
+
+def _measure_costs(task: Task, cfg: StudyConfig, settings: _cells.CellSettings, out: str,
+                   rounds: int) -> None:
+  """costs.json: median step time of each recipe, timed interleaved (round r runs every
+  recipe's compiled step a few times before round r+1), so machine-load drift hits every
+  recipe alike; the ratio to the control is what the report shows. Kept once measured."""
+  path = os.path.join(out, "costs.json")
+  if os.path.exists(path) or rounds == 0:
+    return
+  dev = jax.devices()[0]
+  progs, states, batches = {}, {}, {}
+  for arm, recipe, _ in cfg.arms():
+    if recipe.name in progs:
+      continue
+    try:
+      prog = _models.build(task, recipe, 0, settings.fp8_keeps)
+      batch = next(iter(task.batches(0)))
+      compiled = prog.step.lower(prog.state, batch, jnp.int32(0)).compile()
+      progs[recipe.name], states[recipe.name], batches[recipe.name] = compiled, prog.state, batch
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"timing of {recipe.name} skipped: {type(e).__name__}: {e}"[:300],
+            file=sys.stderr)
+  times: dict[str, list[float]] = {r: [] for r in progs}
+  reps = 5
+  # Round 0 is a warm-up, not timed: a process's first executions pay one-off costs
+  # (thread pools, first touches of buffers) that would land on whichever recipe runs first.
+  for r in range(rounds + 1):
+    for name, compiled in progs.items():
+      t0 = time.perf_counter()
+      for i in range(reps):
+        states[name], m = compiled(states[name], batches[name], jnp.int32(i))
+      jax.block_until_ready(m)
+      if r:
+        times[name].append((time.perf_counter() - t0) / reps)
+  median = {r: float(np.median(v)) for r, v in times.items()}
+  base = median.get(cfg.control)
+  _cells.write_atomic(path, json.dumps({
+      "device": f"{dev.platform.upper()} ({dev.device_kind}, {jax.device_count()} devices, "
+                f"{os.cpu_count()} CPU cores)",
+      "platform": dev.platform, "rounds": rounds, "steps_per_round": reps,
+      "median_step_s": median,
+      "ratio_to_control": {r: (t / base if base else None) for r, t in median.items()},
+  }, indent=1))
