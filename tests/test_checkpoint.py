@@ -338,6 +338,19 @@ def test_keys_restore_into_shape_dtype_structs_and_other_impls_do_not_fit(tmp_pa
   _assert_state_equal(r.state, state)
   assert jax.dtypes.issubdtype(r.state.model_state["drop"]["rngs"]["key"][...].dtype,
                                jax.dtypes.prng_key)
+  # Replicated on a mesh (the key data's sharding follows the key's), and through a
+  # cross-recipe restore, which carries the model state over as it is.
+  mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+  r = checkpoint.restore(tmp_path, abstract, mesh=mesh)
+  _assert_state_equal(r.state, state)
+  assert r.state.rng.sharding.is_fully_replicated and len(r.state.rng.sharding.device_set) > 1
+  bf16 = mp.get_recipe("bf16_master")
+  params = bf16.policy.cast_to_param(target.params)
+  r = checkpoint.restore(tmp_path, target._replace(params=params,
+                                                   opt_state=_tx(bf16).init(params)),
+                         recipe=bf16, optimizer_for=_tx)
+  assert r.converted and r.state.params["up"]["kernel"][...].dtype == jnp.bfloat16
+  _assert_state_equal((r.state.model_state, r.state.rng), (state.model_state, state.rng))
   # A key restores into keys of the impl it was saved with; another impl, or raw uint32
   # key data, does not fit, and the error names the leaf and both dtypes.
   rbg = target._replace(rng=jax.random.key(0, impl="rbg"))
