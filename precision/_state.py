@@ -28,9 +28,12 @@ class TrainState:
     opt_state: the optimizer state (`precision.optim.build_optimizer`'s). In a
       data-parallel state at ZeRO stages 1-3, built on flat padded shards.
     model_state: the model's other variables, e.g. the fp8 scaling state
-      (``nnx.state(model, precision.fp8.Fp8State)``); any pytree, {} or None if none.
-    rng: uint32 PRNG key data (``jax.random.key_data(key)``), not a typed key; None if
-      the run keeps none.
+      (``nnx.state(model, precision.fp8.Fp8State)``) or its RNG state (the typed keys and
+      counters of an nnx.Rngs or Dropout: ``nnx.state(model, nnx.Not(nnx.Param))``); any
+      pytree, {} or None if none.
+    rng: PRNG key data (``jax.random.key_data(key)``, uint32) or a typed key
+      (``jax.random.key``); None if the run keeps none. A checkpoint holds typed keys as
+      their key data and restores them as keys of the same impl.
     layout: None for a state in full shapes (what a checkpoint holds); a
       `precision.parallel.ParamLayout` for a `DataParallel` state sharded over devices,
       which `precision.checkpoint` refuses: save ``dp.state_for_checkpoint(state)``.

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import precision as mp
 import precision.optim  # noqa: F401
@@ -229,3 +230,136 @@ def test_one_train_state_type_with_the_paths_of_the_earlier_namedtuple(tmp_path)
   assert moved.params is state.params and int(moved.rng[0]) == int(state.rng[0]) + 1
   with pytest.raises(ValueError, match="accepted fields"):
     state._replace(fp8=1)
+
+
+# ------------------------------------------------------------------ PRNG keys (nnx.Rngs)
+
+
+class _DropoutMLP(nnx.Module):
+  """An MLP with a Dropout and an nnx.Rngs it never draws from: typed PRNG keys (key<fry>)
+  and uint32 counters in its non-param state."""
+
+  def __init__(self, seed):
+    rngs = nnx.Rngs(seed)
+    self.up, self.down = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+    self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(seed + 1))
+    self.spare = nnx.Rngs(seed + 2)
+
+  def __call__(self, x):
+    return self.down(self.drop(jax.nn.relu(self.up(x))))
+
+
+def _dropout_run(seed, recipe):
+  """(graphdef, TrainState of a fresh _DropoutMLP with a typed key as rng, jitted step)."""
+  tx = _tx(recipe)
+  graphdef, params, rest = nnx.split(_DropoutMLP(seed), nnx.Param, ...)
+  state = checkpoint.TrainState(params, tx.init(params), rest, jax.random.key(seed + 3))
+
+  @jax.jit
+  def step(state, x, y):
+    def loss(p):
+      # copy=True: the merged model's variables belong to this trace, so Dropout may
+      # advance its RngCount inside jax.grad (flax refuses it on outer-trace variables).
+      m = nnx.merge(graphdef, p, state.model_state, copy=True)
+      return jnp.mean((m(x) - y) ** 2), nnx.state(m, nnx.Not(nnx.Param))
+
+    (_, rest), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+    updates, opt = tx.update(grads, state.opt_state, state.params)
+    return state._replace(params=mp.optim.apply_updates(state.params, updates),
+                          opt_state=opt, model_state=rest,
+                          rng=jax.random.fold_in(state.rng, 1))
+
+  return graphdef, state, step
+
+
+def _as_data(tree):
+  """Typed keys as their uint32 data (numpy cannot hold keys), with their key dtypes."""
+  is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  dtypes = [str(x.dtype) for x in jax.tree.leaves(tree)]
+  return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree), dtypes
+
+
+def _assert_state_equal(a, b):
+  (da, ta), (db, tb) = _as_data(a), _as_data(b)
+  assert ta == tb
+  _assert_tree_equal(da, db)
+
+
+def test_dropout_model_resumes_bit_exact_through_a_checkpoint(tmp_path):
+  """N steps straight == N/2 steps, save, restore into a fresh model's state (other seed:
+  every leaf differs), N/2 steps: params, moments, the Dropout's RNG key and counter, the
+  unused Rngs and the typed rng key, bit for bit."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  recipe = mp.get_recipe("fp32")
+  _, state0, step = _dropout_run(0, recipe)
+  rng = np.random.default_rng(0)
+  batches = [(rng.standard_normal((4, 8), np.float32), rng.standard_normal((4, 4), np.float32))
+             for _ in range(4)]
+  straight = state0
+  for x, y in batches:
+    straight = step(straight, x, y)
+  half = state0
+  for x, y in batches[:2]:
+    half = step(half, x, y)
+  checkpoint.save(tmp_path, 2, half, recipe=recipe)
+
+  _, target, _ = _dropout_run(1, recipe)
+  r = checkpoint.restore(tmp_path, target)
+  _assert_state_equal(r.state, half)
+  resumed = r.state
+  for x, y in batches[2:]:
+    resumed = step(resumed, x, y)
+  _assert_state_equal(resumed, straight)
+  rest = straight.model_state
+  assert int(rest["drop"]["rngs"]["count"][...]) == 4      # one draw per step
+  assert int(rest["spare"]["default"]["count"][...]) == 0  # never drawn
+  # The checksums record each key as the key it is; the Orbax item holds uint32 data.
+  arrays = json.loads((tmp_path / "2" / "integrity.json").read_text())["arrays"]
+  assert arrays["model_state/drop/rngs/key"] == {
+      **arrays["model_state/drop/rngs/key"], "dtype": "key<fry>", "shape": [],
+      "key_impl": "threefry2x32"}
+  assert arrays["model_state/drop/rngs/count"]["dtype"] == "uint32"
+  from precision.checkpoint import _orbax  # pylint: disable=g-import-not-at-top
+  held = _orbax.item_tree(str(tmp_path / "2" / "state"), "item")
+  key_meta = held["model_state"]["drop"]["rngs"]["key"]
+  key_meta = key_meta.get("value", key_meta) if isinstance(key_meta, dict) else key_meta
+  assert (tuple(key_meta.shape), np.dtype(key_meta.dtype)) == ((2,), np.uint32)
+
+
+def test_keys_restore_into_shape_dtype_structs_and_other_impls_do_not_fit(tmp_path):
+  recipe = mp.get_recipe("fp32")
+  _, state, _ = _dropout_run(0, recipe)
+  checkpoint.save(tmp_path, 1, state, recipe=recipe)
+  _, target, _ = _dropout_run(5, recipe)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
+  assert abstract.rng.dtype == jax.random.key(0).dtype
+  r = checkpoint.restore(tmp_path, abstract)
+  _assert_state_equal(r.state, state)
+  assert jax.dtypes.issubdtype(r.state.model_state["drop"]["rngs"]["key"][...].dtype,
+                               jax.dtypes.prng_key)
+  # Replicated on a mesh (the key data's sharding follows the key's), and through a
+  # cross-recipe restore, which carries the model state over as it is.
+  mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+  r = checkpoint.restore(tmp_path, abstract, mesh=mesh)
+  _assert_state_equal(r.state, state)
+  assert r.state.rng.sharding.is_fully_replicated and len(r.state.rng.sharding.device_set) > 1
+  bf16 = mp.get_recipe("bf16_master")
+  params = bf16.policy.cast_to_param(target.params)
+  r = checkpoint.restore(tmp_path, target._replace(params=params,
+                                                   opt_state=_tx(bf16).init(params)),
+                         recipe=bf16, optimizer_for=_tx)
+  assert r.converted and r.state.params["up"]["kernel"][...].dtype == jnp.bfloat16
+  _assert_state_equal((r.state.model_state, r.state.rng), (state.model_state, state.rng))
+  # A key restores into keys of the impl it was saved with; another impl, or raw uint32
+  # key data, does not fit, and the error names the leaf and both dtypes.
+  rbg = target._replace(rng=jax.random.key(0, impl="rbg"))
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"leaf 'rng': checkpoint has \(\) key<fry>, the target expects "
+                           r"\(\) key<rbg>"):
+    checkpoint.restore(tmp_path, rbg)
+  raw = target._replace(rng=jax.random.key_data(target.rng))
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"leaf 'rng': checkpoint has \(\) key<fry>, the target expects "
+                           r"\(2,\) uint32"):
+    checkpoint.restore(tmp_path, raw)

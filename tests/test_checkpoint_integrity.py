@@ -197,6 +197,36 @@ def test_restored_arrays_are_checked_too(saved, states, tmp_path):
   assert f"array '{leaf}' restored with other bytes" in warned[0]
 
 
+def test_typed_key_digests_cover_the_key_data_and_its_impl(tmp_path):
+  """A typed PRNG key leaf is checked like every array: its digest covers its key data and
+  its dtype (the impl), and a restored key whose data differs is damaged."""
+  import hashlib
+  from precision.checkpoint import _integrity
+
+  key = jax.random.key(3)
+  entry = _integrity.array_digests({"k": key})["k"]
+  assert {k: entry[k] for k in ("dtype", "shape", "key_impl")} == {
+      "dtype": "key<fry>", "shape": [], "key_impl": "threefry2x32"}
+  data = jax.random.key_data(key)
+  assert entry["sha256"] != _integrity.array_digest(data)          # not the bare uint32
+  assert entry["sha256"] == _integrity.array_digest(jax.random.wrap_key_data(data))
+  assert entry["sha256"] != _integrity.array_digest(jax.random.key(4))
+  rbg = jax.random.key(3, impl="rbg")
+  assert _integrity.array_digests({"k": rbg})["k"]["key_impl"] == "rbg"
+
+  state = _state(1)._replace(rng=key)
+  checkpoint.save(tmp_path, 1, state, recipe=RECIPE, model_config=MODEL)
+  path = tmp_path / "1" / "integrity.json"
+  m = json.loads(path.read_text())
+  m["arrays"]["rng"]["sha256"] = _integrity.array_digest(jax.random.key(4))
+  body = {k: v for k, v in m.items() if k != "sha256"}
+  m["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+  path.write_text(json.dumps(m))
+  with pytest.raises(checkpoint.CheckpointDamagedError,
+                     match="array 'rng' restored with other bytes"):
+    checkpoint.restore(tmp_path, _target()._replace(rng=jax.random.key(0)), step=1)
+
+
 def test_partial_empty_and_stray_folders_are_never_checkpoints(saved, tmp_path):
   d = _copy(saved, tmp_path / "c")
   (d / "5").mkdir()                                          # empty

@@ -199,3 +199,59 @@ def test_apply_recipe_without_fp8(tokens):
   assert model(tokens).dtype == mp.get_recipe("bf16_master").policy.output_dtype
   with pytest.raises(ValueError):
     apply_recipe(model, 3)
+
+
+class _WithRngs(nnx.Module):
+  """An MLP holding RNG state: a Dropout (called deterministic or not) and an nnx.Rngs its
+  __call__ never draws from."""
+
+  def __init__(self, deterministic):
+    rngs = nnx.Rngs(0)
+    self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+    self.spare = nnx.Rngs(2)
+    self.deterministic = deterministic
+
+  def __call__(self, x):
+    return self.down(self.drop(jax.nn.relu(self.up(x)), deterministic=self.deterministic))
+
+
+def _functional_grads(model, x, y):
+  """loss, grads and the new non-param state through the functional pattern: split, then
+  jax.grad of a loss that merges the params with `rest` closed over. A Dropout that draws
+  needs the merged variables to belong to the grad trace (copy=True): flax refuses to
+  advance an outer trace's RngCount, with or without the library."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(p):
+    m = nnx.merge(graphdef, p, rest, copy=not model.deterministic)
+    return jnp.mean((m(x) - y) ** 2), nnx.state(m, nnx.Not(nnx.Param))
+
+  (value, new_rest), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  key_data = lambda t: jax.tree.map(
+      lambda v: jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+      else v, t)
+  return value, grads, key_data(new_rest)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "dropout"])
+def test_rng_state_under_jax_grad_of_the_functional_pattern(deterministic):
+  """A model holding RNG state it does not use in this call (a deterministic Dropout, an
+  unused nnx.Rngs) differentiates under apply_recipe through split/merge inside jax.grad:
+  autocast writes back only the variables the call changed (here none, or the Dropout's
+  counter), never the untouched ones of the outer trace. fp32: loss, grads and the RNG
+  streams bit-identical to the plain model; bf16_mixed: the streams advance alike."""
+  x = jax.random.normal(jax.random.key(1), (4, 16), F32)
+  y = jax.random.normal(jax.random.key(2), (4, 8), F32)
+  ref = _functional_grads(_WithRngs(deterministic), x, y)
+  lib = _functional_grads(apply_recipe(_WithRngs(deterministic), "fp32"), x, y)
+  assert _equal_trees(lib, ref)
+  rest = ref[2]
+  assert int(rest["drop"]["rngs"]["count"][...]) == (0 if deterministic else 1)
+  assert int(rest["spare"]["default"]["count"][...]) == 0
+  if not deterministic:  # the Dropout drew a mask: the loss is not the deterministic one
+    assert float(ref[0]) != float(_functional_grads(_WithRngs(True), x, y)[0])
+  value, grads, bf16_rest = _functional_grads(apply_recipe(_WithRngs(deterministic),
+                                                           "bf16_mixed"), x, y)
+  assert np.isfinite(float(value)) and _equal_trees(bf16_rest, rest)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(F32)}

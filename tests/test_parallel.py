@@ -699,3 +699,74 @@ def test_step_takes_host_arrays(mesh):
   with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 32\); accepted: a leading "
                                        r"\(batch\) axis divisible by the 8 devices"):
     dp.step(state, {"x": batch["x"][:12], "y": batch["y"][:12]})
+
+
+# ---- RNG state (nnx.Rngs, Dropout) in the model state -------------------------------------
+def _keys_as_data(tree):
+  """Typed PRNG keys as their uint32 data (numpy cannot hold keys)."""
+  is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+def test_readme_block_with_dropout_trains_and_round_trips_a_checkpoint(mesh, tmp_path):
+  """The README's data-parallel block (`dp_loss` merging params with `rest`) on a model
+  with a Dropout: `rest` holds its typed key and counter. init places them on the mesh
+  (no numpy round trip), each step advances the counter alike on every rank (the same
+  replicated stream), and state_for_checkpoint -> save -> restore -> state_from_checkpoint
+  gives back the state bit for bit, which then steps as the original does."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class TinyLM(nnx.Module):
+    def __init__(self, vocab=64, d=16, *, rngs):
+      self.embed = nnx.Embed(vocab, d, rngs=rngs)
+      self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+      self.head = nnx.Linear(d, vocab, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, tokens):
+      x = self.embed(tokens)
+      return self.head(x + self.drop(self.down(jax.nn.gelu(self.up(x)))))
+
+  def loss_fn(model, tokens):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  recipe = mp.get_recipe("bf16_master")
+  model = mp.flax.apply_recipe(TinyLM(rngs=nnx.Rngs(0)), recipe)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def dp_loss(params, rest, tokens):
+    m = nnx.merge(graphdef, params, rest)
+    return loss_fn(m, tokens), nnx.state(m, nnx.Not(nnx.Param))
+
+  dp = parallel.data_parallel(dp_loss, optax.adamw(3e-3), mesh, zero_stage=1, recipe=recipe,
+                              fp8_state=True)
+  tokens = np.random.default_rng(0).integers(0, 64, (16, 9)).astype(np.int32)
+  state = dp.init(params, rest)
+  assert int(rest["drop"]["rngs"]["count"][...]) == 0       # the caller's rest survives
+  losses = []
+  for _ in range(3):
+    state, metrics = dp.step(state, tokens)
+    losses.append(float(metrics["loss"]))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  assert int(state.model_state["drop"]["rngs"]["count"][...]) == 3   # one draw per step
+  for leaf in jax.tree.leaves(_keys_as_data(state.model_state)):   # replicated
+    for shard in leaf.addressable_shards[1:]:
+      np.testing.assert_array_equal(shard.data, leaf.addressable_shards[0].data)
+
+  full = dp.state_for_checkpoint(state)
+  mp.checkpoint.save(tmp_path, 3, full, recipe=recipe)
+  r = mp.checkpoint.restore(tmp_path, dp.state_for_checkpoint(dp.init(params, rest)))
+  _assert_bits_equal(_keys_as_data(r.state), _keys_as_data(full))
+  assert r.state.model_state["drop"]["rngs"]["key"][...].dtype == rest["drop"]["rngs"][
+      "key"][...].dtype
+  resumed = dp.state_from_checkpoint(r.state)
+  a, metrics_a = dp.step(state, tokens)
+  b, metrics_b = dp.step(resumed, tokens)
+  _assert_bits_equal(_keys_as_data((a.params, a.opt_state, a.model_state, metrics_a)),
+                     _keys_as_data((b.params, b.opt_state, b.model_state, metrics_b)))
+  # A key among the params is named, with where it belongs (not numpy's TypeError).
+  plain = parallel.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), mesh)
+  with pytest.raises(ValueError, match=r"dtype key<fry>; .* keep integer and PRNG-key "
+                                       r"state \(nnx.Rngs\) out of the params"):
+    plain.init({"k": jax.random.key(0), "w": np.zeros((3,), np.float32)})

@@ -7,8 +7,9 @@ jit it, vmap it, shard it; the backward pass of every GEMM is compute x compute 
 too (the policy GEMMs are custom VJPs) and gradients come back in the dtype of the value
 differentiated (f32 for f32 params, accumulated in f32).
 
-Flax NNX modules may be passed as arguments (their state is split out, traced and written
-back, so BatchNorm statistics, fp8 scaling state and RNG counters update as in a plain call),
+Flax NNX modules may be passed as arguments (their state is split out and traced, and the
+variables the call changed are written back, so BatchNorm statistics, fp8 scaling state
+and RNG counters update as in a plain call and untouched variables are never set),
 and their module paths become name scopes, which `overrides` patterns and
 `precision.audit` read.
 """
@@ -163,7 +164,8 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
         check_overrides: bool = True, root_scope: str = "",
         module_at: dict | None = None) -> Traced:
   """Traces `fn(*args, **kwargs)` and evaluates it under `spec`; NNX graph nodes among the
-  arguments are split out and their new state written back after the call.
+  arguments are split out, and the variables the call changed are written back after it
+  (`_changed_state`).
 
   Returns the raw outputs (dtypes as the policy left them; `autocast` casts them to the
   output dtype) and the interpreter's record.
@@ -195,8 +197,9 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
     with _tracing_scope(spec), jax.numpy_dtype_promotion("standard"), _module_scopes(
         rebuilt, kinds, module_at, module_policy):
       out = fn(*a, **kw)
-    new_state = nnx.state(tuple(x for x, k in zip(rebuilt, kinds) if k == "node")) if nodes \
-        else None
+    new_state = _changed_state(
+        node_state, nnx.state(tuple(x for x, k in zip(rebuilt, kinds) if k == "node"))) \
+        if nodes else None
     return out, new_state
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(node_state, arrays)
@@ -210,7 +213,7 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   traced_dtypes = _interpret.traced_dtypes(closed.jaxpr.outvars)
   result, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
   n_result = len(jax.tree_util.tree_leaves(result))
-  if nodes:
+  if nodes and jax.tree_util.tree_leaves(new_state):
     state_leaves, state_tree = jax.tree_util.tree_flatten(new_state)
     new_state = jax.tree_util.tree_unflatten(
         state_tree, _interpret.cast_all(state_leaves, traced_dtypes[n_result:]))
@@ -218,6 +221,27 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   if check_overrides:
     _check_overrides(spec, env)
   return Traced(result, traced_dtypes[:n_result], env)
+
+
+def _changed_state(before: Any, after: Any) -> Any:
+  """The variables of `after` (the nodes' state after the traced call) whose value is not
+  the very tracer `before` (the state traced in) held at that path: only those are
+  written back. A variable the call left alone (an nnx.Rngs it did not draw from, a
+  Dropout called with deterministic=True, every param) is not set again: setting it would
+  be a no-op, and an error where the variable belongs to an outer trace (a model merged
+  inside jax.grad from state closed over: flax refuses mutation across trace levels).
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  old = {tuple(path): jax.tree_util.tree_leaves(var) for path, var in nnx.to_flat_state(before)}
+
+  def unchanged(path, var) -> bool:
+    was, now = old.get(tuple(path)), jax.tree_util.tree_leaves(var)
+    return was is not None and len(was) == len(now) and all(
+        a is b for a, b in zip(was, now))
+
+  return nnx.from_flat_state([(path, var) for path, var in nnx.to_flat_state(after)
+                              if not unchanged(path, var)])
 
 
 def _check_overrides(spec: AutocastSpec, env: _interpret.Env) -> None:

@@ -1,7 +1,8 @@
 """Orbax save/restore of the full training state of a precision recipe.
 
 A checkpoint holds params, the whole optimizer state (master copy, moments, loss-scale
-state, counters), fp8 scaling state, the RNG key data, the step, the data sampler's
+state, counters), fp8 scaling state, the RNG state (key data, and typed PRNG keys such as
+an nnx.Rngs' or a Dropout's, restored as keys of their impl), the step, the data sampler's
 position, ``recipe.to_dict()``, the model config, the seed and the run id, with a SHA-256
 of every file and every array. `restore` verifies them and brings back exactly what was
 saved, falling back to the newest intact step (with a `CheckpointFallbackWarning` and

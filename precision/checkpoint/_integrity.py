@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from precision.checkpoint import _keys
 from precision.checkpoint import _tree
 from precision.checkpoint._errors import CheckpointDamagedError
 
@@ -44,24 +45,36 @@ def file_digest(path: str) -> str:
 
 
 def array_digest(x: Any) -> str:
-  """SHA-256 of an array's dtype, shape and C-order little-endian bytes (host copy)."""
+  """SHA-256 of an array's dtype, shape and C-order little-endian bytes (host copy).
+
+  A typed PRNG key: of its key dtype name ("key<fry>"), its shape and the bytes of its
+  uint32 key data (what the checkpoint holds, see `_keys`).
+  """
+  head = None
+  if _keys.is_key(x):
+    head = f"{x.dtype.name}:{tuple(x.shape)}:"
+    x = jax.random.key_data(x[...])  # [...]: the array of an nnx Variable leaf too
   a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
   if a.dtype.byteorder == ">":
     a = a.astype(a.dtype.newbyteorder("<"))
-  h = hashlib.sha256(f"{a.dtype.name}:{a.shape}:".encode())
+  h = hashlib.sha256((head or f"{a.dtype.name}:{a.shape}:").encode())
   h.update(a.tobytes())
   return h.hexdigest()
 
 
 def array_digests(tree: Any) -> dict[str, dict]:
-  """{leaf path: {"dtype", "shape", "sha256"}} for every array leaf of `tree`."""
+  """{leaf path: {"dtype", "shape", "sha256"}} for every array leaf of `tree`; a typed
+  PRNG key leaf also has "key_impl" (its impl's name, e.g. "threefry2x32")."""
   out = {}
   for name, leaf in _tree.array_leaves(tree):
     if name in out:
       raise ValueError(f"Two leaves of the state share the path '{name}'; checkpoint leaf "
                        "paths must be unique")
-    out[name] = {"dtype": np.dtype(leaf.dtype).name, "shape": list(np.shape(leaf)),
-                 "sha256": array_digest(leaf)}
+    key = _keys.is_key(leaf)
+    out[name] = {"dtype": leaf.dtype.name if key else np.dtype(leaf.dtype).name,
+                 "shape": list(np.shape(leaf)), "sha256": array_digest(leaf)}
+    if key:
+      out[name]["key_impl"] = _keys.impl_name(leaf.dtype)
   return out
 
 

@@ -44,6 +44,7 @@ from precision._recipe import Recipe
 from precision._state import TrainState
 from precision.checkpoint import _convert
 from precision.checkpoint import _integrity
+from precision.checkpoint import _keys
 from precision.checkpoint import _orbax
 from precision.checkpoint import _owner
 from precision.checkpoint import _tree
@@ -365,7 +366,8 @@ class Checkpointer:
         raise CheckpointDamagedError(f"{e}: damaged or unreadable") from None
 
     saved_tree = read(_orbax.item_tree, state_dir, what)
-    saved = _tree.shapes_by_path(saved_tree)
+    # Typed PRNG keys are held as uint32 key data; compared as the keys they were saved as.
+    saved = _keys.typed_shapes(_tree.shapes_by_path(saved_tree), manifest, what)
     recipe = saved_recipe if recipe is None else recipe
     abstract = _tree.to_abstract(target)
     if mesh is not None:
@@ -381,6 +383,14 @@ class Checkpointer:
       tail = f"; {config_diff}" if config_diff else ""
       return _tree.CheckpointMismatchError(head + diff + tail)
 
+    def restore_arrays(abstract: TrainState) -> TrainState:
+      # Key leaves read as their uint32 data, wrapped back into keys, then verified.
+      data = read(_orbax.restore_item, state_dir, _keys.to_data(abstract), what)
+      state = _keys.from_data(data, abstract)
+      if manifest is not None:
+        _integrity.verify_arrays(manifest, state, what)
+      return state
+
     def finish(state: TrainState, notes: tuple[str, ...]) -> Restored:
       return Restored(state, step, recipe, saved_recipe, meta.get("model_config"),
                       meta.get("data"), meta.get("extra"), notes, meta.get("seed"),
@@ -390,10 +400,7 @@ class Checkpointer:
       diff = _tree.first_difference(saved, _tree.shapes_by_path(abstract))
       if diff is not None or config_diff is not None:
         raise mismatch(diff or "arrays match")
-      state = read(_orbax.restore_item, state_dir, abstract, what)
-      if manifest is not None:
-        _integrity.verify_arrays(manifest, state, what)
-      return finish(state, ())
+      return finish(restore_arrays(abstract), ())
 
     if optimizer_for is None:
       raise ValueError(f"Restoring a {saved_recipe.name} checkpoint into recipe "
@@ -414,16 +421,14 @@ class Checkpointer:
     model_fits = _tree.first_difference(
         {k: v for k, v in saved.items() if k.startswith("model_state/")},
         _tree.shapes_by_path({"model_state": abstract.model_state})) is None
-    saved_model = abstract.model_state if model_fits else _raw_subtree(saved_tree,
+    saved_model = abstract.model_state if model_fits else _raw_subtree(saved_tree, saved,
                                                                        "model_state")
     saved_abstract = TrainState(saved_params, saved_opt, saved_model, abstract.rng)
     diff = _tree.first_difference(saved, _tree.shapes_by_path(saved_abstract))
     if diff is not None:
       raise mismatch(f"{diff} (the state saved under {saved_recipe.name} is rebuilt with "
                      "optimizer_for; was the run's inner optimizer the same?)")
-    got = read(_orbax.restore_item, state_dir, saved_abstract, what)
-    if manifest is not None:
-      _integrity.verify_arrays(manifest, got, what)
+    got = restore_arrays(saved_abstract)
     params, opt, notes = _convert.convert(got.params, got.opt_state, saved_recipe,
                                           abstract.params, abstract.opt_state, recipe,
                                           optimizer_for(recipe))
@@ -574,7 +579,7 @@ class Checkpointer:
     os.makedirs(tmp)
     try:
       arrays = _integrity.array_digests(state)
-      _orbax.save_item(os.path.join(tmp, _STATE), state)
+      _orbax.save_item(os.path.join(tmp, _STATE), _keys.to_data(state))  # keys as uint32 data
       os.makedirs(os.path.join(tmp, "meta"))
       _integrity.write_json(os.path.join(tmp, _META), meta)
       _integrity.write_manifest(tmp, step, arrays)
@@ -609,9 +614,12 @@ class Checkpointer:
     self._record = None
 
 
-def _raw_subtree(tree: Any, key: str) -> Any:
-  return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[key],
-                      is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+def _raw_subtree(tree: Any, saved: dict, key: str) -> Any:
+  """ShapeDtypeStructs of the saved subtree `key`, with the shapes and dtypes of `saved`
+  (`_keys.typed_shapes`: key data as the typed keys it was saved from)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, m: jax.ShapeDtypeStruct(*saved[f"{key}/{_tree.leaf_path(p)}"]), tree[key],
+      is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
 def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: Recipe,

@@ -31,9 +31,15 @@ def array_leaves(tree: Any) -> list[tuple[str, Any]]:
   return [(leaf_path(path), leaf) for path, leaf in leaves if leaf is not None]
 
 
-def shapes_by_path(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-  """{leaf path: (shape, dtype)} in flatten order (see `array_leaves`)."""
-  return {name: (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype))
+def _dtype(dtype: Any) -> Any:
+  # Extended dtypes (typed PRNG keys: key<fry>) have no numpy dtype; they stay as they are.
+  return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
+
+
+def shapes_by_path(tree: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """{leaf path: (shape, dtype)} in flatten order (see `array_leaves`); numpy dtypes, and
+  the key dtype of a typed PRNG key leaf."""
+  return {name: (tuple(int(d) for d in leaf.shape), _dtype(leaf.dtype))
           for name, leaf in array_leaves(tree)}
 
 

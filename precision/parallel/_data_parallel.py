@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -143,8 +144,14 @@ class DataParallel:
     replicated = NamedSharding(self.mesh, P())
 
     def place(x):
-      if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return x
+      if isinstance(x, jax.Array):
+        if not x.is_fully_addressable:
+          return x
+        # A copy on the mesh, never through numpy: PRNG keys (an nnx.Rngs or Dropout in
+        # the model's state) and other extended dtypes have no numpy form. Copied first:
+        # the step donates its state, which must not delete the caller's arrays, and
+        # device_put(may_alias=False) from one device to all still aliases device 0's.
+        return jax.device_put(jnp.array(x, copy=True), replicated)
       return jax.device_put(np.asarray(x), replicated)
 
     params = jax.tree.map(place, params)
@@ -355,7 +362,11 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       pass, and `init(params, fp8_state)` takes the initial state. Each step takes the
       gradient operand's new state from its cotangent (`precision.fp8.merge_grad_state`)
       and makes the state agree across ranks (`precision.fp8.sync_fp8_state`: amax
-      histories max-reduced, so every rank derives the same delayed scale).
+      histories max-reduced, so every rank derives the same delayed scale). The state
+      may also hold the model's RNG state (an nnx.Rngs or Dropout: ``rest`` of
+      ``nnx.split(model, nnx.Param, ...)``, typed keys included): it is replicated, not
+      reduced; every rank draws from the same key and count and advances them alike (so
+      each rank's slice sees the same dropout mask pattern).
 
   Returns:
     A `DataParallel` with `init`, `step`, `params`, `shard_batch`,

@@ -10,7 +10,8 @@ The full form of a state does not depend on the device count:
   parameter's `size` elements, padding dropped: exactly the state the same optimizer
   builds on one device (n = 1, no padding). Leaves that do not follow it (counters, the
   loss scale) are kept as they are;
-* model_state: the fp8 scaling state (replicated, identical on every device), or {};
+* model_state: the fp8 scaling state and any RNG state (typed keys, counters; replicated,
+  identical on every device), or {};
 * layout: None.
 
 Both directions only move bytes (slices, reshapes, zero padding; the padding is zero in
@@ -153,9 +154,12 @@ def from_full(cfg, mesh, specs, param_dtype, full: TrainState) -> TrainState:
 
   replicated = NamedSharding(mesh, P())
   # Fresh copies on this mesh (the full form may live on another mesh or the host): the
-  # step donates its state, which must not delete the caller's arrays.
+  # step donates its state, which must not delete the caller's arrays. Copied before
+  # device_put: from one device to all, may_alias=False still aliases device 0's buffer.
+  # Never through numpy: PRNG keys (an nnx.Rngs in the model state) have no numpy form.
   put = lambda tree: jax.tree.map(
-      lambda x: jax.device_put(x, replicated, may_alias=False), tree)
+      lambda x: jax.device_put(jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
+                               replicated), tree)
   p_spec, o_spec = specs(layout)
   dims = _sharded_dims(o_spec)
   shapes = jax.tree.leaves(want_opt)

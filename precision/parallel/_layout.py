@@ -54,13 +54,15 @@ class ParamLayout:
     leaves, treedef = jax.tree.flatten(params)
     out = []
     for i, leaf in enumerate(leaves):
-      dtype = np.dtype(leaf.dtype)
-      if not jnp.issubdtype(dtype, jnp.floating):
+      # Checked before np.dtype: a PRNG key (extended dtype) has no numpy dtype.
+      if not jnp.issubdtype(leaf.dtype, jnp.floating):
         raise ValueError(
-            f"Parameter leaf {i} has dtype {dtype}; data_parallel trains floating leaves "
-            "only (accepted: float32, bfloat16, float16, float64); keep integer state "
-            "out of the params pytree")
-      out.append(LeafLayout(tuple(int(d) for d in leaf.shape), dtype, devices))
+            f"Parameter leaf {i} has dtype {leaf.dtype}; data_parallel trains floating "
+            "leaves only (accepted: float32, bfloat16, float16, float64); keep integer "
+            "and PRNG-key state (nnx.Rngs) out of the params pytree: pass it as the "
+            "model state (fp8_state=True)")
+      out.append(LeafLayout(tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype),
+                            devices))
     return cls(treedef, tuple(out), devices)
 
   @property

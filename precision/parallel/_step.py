@@ -136,9 +136,12 @@ def _scaled_loss(cfg: StepConfig, scale: jax.Array, batch):
 
 def _value_and_grad(f, x, fp8_state):
   """Differentiates `f` w.r.t. the params AND the fp8 state: the cotangent of an fp8
-  gradient-operand state carries its new value (precision.fp8's custom VJP)."""
+  gradient-operand state carries its new value (precision.fp8's custom VJP). allow_int:
+  the state may also hold integer and PRNG-key leaves (an nnx.Rngs count and key, e.g.
+  of a Dropout); their cotangents (float0) are never read. The params are floating
+  (`ParamLayout.of` checks), so their gradients are unaffected."""
   (loss, new_state), (grads, state_ct) = jax.value_and_grad(
-      f, argnums=(0, 1), has_aux=True)(x, fp8_state)
+      f, argnums=(0, 1), has_aux=True, allow_int=True)(x, fp8_state)
   return loss, grads, (new_state, state_ct)
 
 
@@ -147,9 +150,17 @@ def _next_fp8_state(cfg: StepConfig, new_state, state_ct):
   as loss_fn returned it, the gradient operand's from its cotangent, then amax histories
   and scales max-reduced over the axis (the largest amax any rank saw: no rank's data
   saturates where another's would not) and the saturation counters summed."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
   from precision import fp8  # pylint: disable=g-import-not-at-top  (optional layer)
 
-  return fp8.sync_fp8_state(fp8.merge_grad_state(new_state, state_ct), cfg.axis_name)
+  state = fp8.merge_grad_state(new_state, state_ct)
+  if not isinstance(state, nnx.State):
+    return fp8.sync_fp8_state(state, cfg.axis_name)
+  # RNG state (nnx.Rngs keys and counts, e.g. a Dropout's) passes as loss_fn returned it:
+  # every rank got the same replicated key and count and advanced them alike, so it is
+  # still replicated; only the fp8 leaves are reduced.
+  rng_state, fp8_part = nnx.split_state(state, nnx.RngState, ...)
+  return nnx.merge_state(rng_state, fp8.sync_fp8_state(fp8_part, cfg.axis_name))
 
 
 def _sharded_params(cfg: StepConfig, layout: ParamLayout, wide):
