@@ -25,9 +25,9 @@ NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_formats_and_swamping", "02_policies_and_audit", "03_f16_loss_scaling",
             "04_stochastic_rounding", "05_fp8_scaling", "06_zero_memory",
-            "07_reading_a_sweep")
+            "07_study_your_own_model")
 # Start order: the longest first, so the two workers finish together.
-LONGEST_FIRST = ("07_reading_a_sweep", "06_zero_memory", "02_policies_and_audit")
+LONGEST_FIRST = ("07_study_your_own_model", "06_zero_memory", "02_policies_and_audit")
 WORKERS = 2
 CELL_TIMEOUT_S = 300
 
@@ -36,7 +36,6 @@ def _kernel_env() -> dict:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # set by conftest for this process; the notebooks set their own
   env["PRECISION_NOTEBOOK_QUICK"] = "1"
-  env.pop("PRECISION_SWEEP_DIR", None)  # 07 runs its own small sweep
   env.setdefault("JAX_PLATFORMS", "cpu")
   return env
 

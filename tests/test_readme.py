@@ -63,3 +63,26 @@ def test_docs_python_blocks_run(doc, tmp_path):
     script.write_text(block)
     run = _run(script)
     assert run.returncode == 0, f"{doc.name} block {i}:\n{run.stderr[-3000:]}"
+
+
+def test_study_section_runs_as_written(tmp_path):
+  readme = (ROOT / "README.md").read_text()
+  section = readme[readme.index("## Study your own model"):]
+  section = section[:section.index("\n## ", 3)]
+  (tmp_path / "my_task.py").write_text(python_blocks(section)[0])
+  command = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip()
+  assert command.startswith("python -m precision.study my_task.py:task")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.setdefault("JAX_PLATFORMS", "cpu")
+  run = subprocess.run([sys.executable] + command.split()[1:] + ["--no-progress"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  import json
+  rows = json.loads((tmp_path / "my_study" / "summary.json").read_text())["recipes"]
+  assert list(rows) == ["fp32", "bf16_mixed", "pure_bf16", "f16_mixed"]
+  assert rows["pure_bf16"]["verdict_code"] == "worse"  # as the README says
+  for name in ("bf16_mixed", "pure_bf16", "f16_mixed"):
+    assert rows[name]["verdict_code"] in ("worse", "better", "no_difference"), rows[name]
+  for name in ("loss_curves.png", "loss_scale.png", "results.jsonl", "summary.md"):
+    assert (tmp_path / "my_study" / name).stat().st_size > 0

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 
 import matplotlib
-
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
+# Figures are made without pyplot: no backend is chosen or changed (a notebook's inline
+# display keeps working), and savefig draws with Agg whatever the session uses.
+from matplotlib.figure import Figure
 
 
 def _curve(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -26,7 +26,7 @@ def _curve(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _colors(arms: list[str]) -> dict[str, str]:
-  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
   return {a: cycle[i % len(cycle)] for i, a in enumerate(arms)}
 
 
@@ -34,7 +34,8 @@ def curves_figure(result):
   arms = list(result.rows)
   seeds = sorted({i for _, i in result._runs})  # pylint: disable=protected-access
   colors = _colors(arms)
-  fig, (ax_d, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
+  fig = Figure(figsize=(12, 4.5))
+  ax_d, ax_a = fig.subplots(1, 2)
   for arm in arms:
     curves = [_curve(result.runs(arm, i), "eval") for i in seeds]
     ctrl = [_curve(result.runs(result.control, i), "eval") for i in seeds]
@@ -65,7 +66,8 @@ def curves_figure(result):
 def _loss_scale_figure(result, arms: list[str]):
   seeds = sorted({i for _, i in result._runs})  # pylint: disable=protected-access
   colors = _colors(arms)
-  fig, ax = plt.subplots(figsize=(8, 4))
+  fig = Figure(figsize=(8, 4))
+  ax = fig.subplots()
   for arm in arms:
     for i in seeds:
       recs = result.runs(arm, i)
@@ -90,7 +92,6 @@ def write(result) -> list[str]:
   fig = curves_figure(result)
   path = os.path.join(result.out, "loss_curves.png")
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   paths.append(path)
   scaled = [a for a, r in result.rows.items()
             if any(len({x.get("loss_scale") for x in result.runs(a, i)} - {None, 1.0}) > 0
@@ -101,6 +102,5 @@ def write(result) -> list[str]:
     fig.axes[0].text(0.5, 0.5, "no recipe of this study scales its loss", ha="center",
                      transform=fig.axes[0].transAxes)
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   paths.append(path)
   return paths
