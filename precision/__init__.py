@@ -5,10 +5,12 @@ Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `a
 (`precision.formats`), the faithful-rounding switch, stochastic rounding, the training
 step of every recipe (`value_and_grad`, `train_step`), `TrainState` (what checkpoints
 and data parallelism carry), and the subpackages flax, audit, optim, fp8, parallel,
-checkpoint.
+checkpoint. `precision.audit` is the package (`precision.audit.lower`, ...) and calling
+it is `precision.audit.audit(fn, *args)`.
 """
 
 from precision import _autocast
+from precision import audit
 from precision import checkpoint
 from precision import flax
 from precision import formats
@@ -20,7 +22,6 @@ from precision import rounding
 from precision._autocast import autocast
 from precision.audit import PrecisionReport
 from precision.audit import PrecisionViolation
-from precision.audit import audit
 from precision._numerics import enable_faithful_rounding
 from precision._numerics import faithful_rounding_enabled
 from precision._policy import Policy

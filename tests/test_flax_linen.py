@@ -54,7 +54,7 @@ def test_init_creates_params_in_param_dtype(tokens):
 
 
 def test_bf16_audit_and_check(params, tokens):
-  report = mp.audit(_step(M.LinenAttentionLM(), MIXED), params, tokens)
+  report = mp.audit.audit(_step(M.LinenAttentionLM(), MIXED), params, tokens)
   assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 21}
   islands = report.island_dtypes()
   assert islands["norm"] == islands["softmax"] == islands["cross_entropy"] == {"f32"}
@@ -68,7 +68,7 @@ def test_override_and_bad_pattern(params, tokens):
     with linen_policy(MIXED, overrides):
       return model.apply(p, t)
 
-  report = mp.audit(lambda p, t: fwd(p, t, {"lm_head": "f32"}), params, tokens)
+  report = mp.audit.audit(lambda p, t: fwd(p, t, {"lm_head": "f32"}), params, tokens)
   f32 = [g for g in report.gemms if g.lhs_dtype == "float32"]
   assert [g.scope for g in f32] == ["LinenAttentionLM/lm_head"]
   with pytest.raises(ValueError, match="lm_haed"):

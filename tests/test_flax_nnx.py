@@ -85,7 +85,7 @@ def test_bf16_layers_and_dtypes(bf16_lm, tokens):
 
 def test_bf16_audit_every_gemm_bf16_f32_accumulate(bf16_lm, tokens):
   step, state = _loss_and_grads(bf16_lm, M.lm_loss, tokens)
-  report = mp.audit(step, state, tokens)
+  report = mp.audit.audit(step, state, tokens)
   sigs = report.gemm_signatures()
   assert set(sigs) == {("bf16", "bf16", "f32", "f32")}
   assert sum(sigs.values()) == 21  # 7 GEMMs forward, 14 backward
@@ -102,7 +102,7 @@ def test_handwritten_flax_backward_is_mixed(tokens):
   # jax issue 34330: hand-written Flax runs backward GEMMs as f32 x bf16.
   hw = M.AttentionLM(rngs=nnx.Rngs(0), handwritten=BF16)
   step, state = _loss_and_grads(hw, M.lm_loss, tokens, promotion="standard")
-  report = mp.audit(step, state, tokens)
+  report = mp.audit.audit(step, state, tokens)
   mixed = [g for g in report.gemms if g.lhs_dtype != g.rhs_dtype]
   assert len(mixed) >= 10 and all(g.direction == "bwd" for g in mixed)
   with pytest.raises(ValueError, match="expected bf16"):
@@ -122,7 +122,7 @@ def test_override_one_layer_to_f32(tokens):
   model = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), MIXED,
                        {"*lm_head*": "f32", nnx.Embed: MIXED})
   step, state = _loss_and_grads(model, M.lm_loss, tokens)
-  report = mp.audit(step, state, tokens)
+  report = mp.audit.audit(step, state, tokens)
   f32 = [g for g in report.gemms if g.lhs_dtype == "float32"]
   assert len(f32) == 3 and {g.scope for g in f32} == {"lm_head"}
   assert {g.direction for g in f32} == {"fwd", "bwd"}
@@ -183,7 +183,7 @@ def test_conv_einsum_embed_attend_gradients():
   x = jax.random.normal(jax.random.key(0), (2, 6, 6, 3), F32)
   loss = lambda m, x: jnp.mean(m(x).astype(F32) ** 2)
   step, state = _loss_and_grads(net, loss, x)
-  report = mp.audit(step, state, x)
+  report = mp.audit.audit(step, state, x)
   assert len(report.gemms) == 9
   assert {(g.lhs_dtype, g.rhs_dtype, g.acc_dtype) for g in report.gemms} == {
       ("bfloat16", "bfloat16", "float32")}
