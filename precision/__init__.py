@@ -1,6 +1,7 @@
 """precision: numeric-precision recipes for training with JAX, Flax and Optax.
 
-Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `autocast`
+Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `bind` (a
+recipe with its overrides interpreted once, a Plan every entry point takes), `autocast`
 (a policy or recipe applied to any JAX function), float-format facts
 (`precision.formats`), the faithful-rounding switch, stochastic rounding, the training
 step of every recipe (`value_and_grad`, `train_step`), `TrainState` (what checkpoints
@@ -22,6 +23,8 @@ from precision import rounding
 from precision._autocast import autocast
 from precision.audit import PrecisionReport
 from precision.audit import PrecisionViolation
+from precision._plan import Plan
+from precision._plan import bind
 from precision._numerics import enable_faithful_rounding
 from precision._numerics import faithful_rounding_enabled
 from precision._policy import Policy
@@ -61,6 +64,7 @@ __all__ = [
     "Fp8Config",
     "LossScaleConfig",
     "PRESETS",
+    "Plan",
     "PrecisionReport",
     "PrecisionViolation",
     "Policy",
@@ -72,6 +76,7 @@ __all__ = [
     "enable_faithful_rounding",
     "faithful_rounding_enabled",
     "audit",
+    "bind",
     "flax",
     "formats",
     "fp8",

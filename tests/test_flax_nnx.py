@@ -70,7 +70,8 @@ def test_bf16_layers_and_dtypes(bf16_lm, tokens):
   # Nothing replaced: the classes and layer attributes are the user's own.
   assert type(bf16_lm) is M.AttentionLM and type(bf16_lm.blocks[0].qkv) is nnx.Linear
   assert bf16_lm.blocks[0].qkv.dot_general is jax.lax.dot_general
-  assert mp.flax.policy_of(bf16_lm).policy == mp.get_policy(MIXED)
+  assert mp.flax.policy_of(bf16_lm) == mp.get_policy(MIXED)
+  assert mp.flax.spec_of(bf16_lm).policy == mp.get_policy(MIXED)
   # Only the marked instance runs under the policy: a submodule called on its own, or
   # another instance of the class, is plain Flax.
   assert bf16_lm.blocks[0].qkv(jnp.ones((1, 32), F32)).dtype == F32
@@ -199,3 +200,20 @@ def test_apply_recipe_without_fp8(tokens):
   assert model(tokens).dtype == mp.get_recipe("bf16_master").policy.output_dtype
   with pytest.raises(ValueError):
     apply_recipe(model, 3)
+
+
+def test_apply_policy_takes_a_recipe_or_plan_for_its_policy(tokens):
+  by_name = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "bf16_mixed")
+  by_string = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), MIXED)
+  assert mp.flax.policy_of(by_name) == mp.flax.policy_of(by_string) == mp.get_policy(MIXED)
+  assert mp.flax.spec_of(by_name).recipe == mp.get_recipe("bf16_mixed")
+  assert np.array_equal(np.asarray(by_name(tokens)), np.asarray(by_string(tokens)))
+  plan = mp.bind("pure_bf16", overrides={"lm_head": "f32"})
+  by_plan = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), plan)
+  assert mp.flax.spec_of(by_plan) == plan.autocast_spec
+  assert by_plan.lm_head.kernel.get_value().dtype == F32
+  assert by_plan.blocks[0].qkv.kernel.get_value().dtype == BF16
+  with pytest.raises(ValueError, match="fp8 GEMMs.*apply_recipe"):
+    apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "fp8_hybrid")
+  with pytest.raises(ValueError, match="'bf16_mixd' is neither a dtype nor a preset.*bf16_mixed"):
+    apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "bf16_mixd")

@@ -29,10 +29,17 @@ SPEC_ATTR = "precision_autocast"
 class _Tracker(threading.local):
   def __init__(self):
     self.paths: dict[int, tuple] = {}     # id(module) -> graph path
+    self.policies: dict[int, Any] = {}    # id(module) -> Policy its scope takes
     self.stack: list[tuple[Any, str]] = []  # (module, scope) of the calls in progress
 
 
 _TRACKER = _Tracker()
+
+
+def tracked_path(module: Any) -> tuple | None:
+  """The graph path of `module` in the trace in progress (None: no module scope of this
+  thread's trace covers it)."""
+  return _TRACKER.paths.get(id(module))
 
 
 def _wrap(original, module_at: dict, module_policy: dict):
@@ -49,8 +56,9 @@ def _wrap(original, module_at: dict, module_policy: dict):
     if scope:
       module_at.setdefault(scope, self)
       spec = getattr(self, SPEC_ATTR, None)
-      if spec is not None and scope not in module_policy:
-        module_policy[scope] = spec.policy
+      policy = _TRACKER.policies.get(id(self), None if spec is None else spec.policy)
+      if policy is not None and scope not in module_policy:
+        module_policy[scope] = policy
     _TRACKER.stack.append((self, scope))
     try:
       with jax.named_scope(name) if name else contextlib.nullcontext():
@@ -62,8 +70,13 @@ def _wrap(original, module_at: dict, module_policy: dict):
 
 
 @contextlib.contextmanager
-def module_scopes(nodes, module_at: dict, module_policy: dict) -> Iterator[None]:
-  """Name scopes for every module call in the graphs of `nodes` while the context lasts."""
+def module_scopes(nodes, module_at: dict, module_policy: dict,
+                  policies: dict | None = None) -> Iterator[None]:
+  """Name scopes for every module call in the graphs of `nodes` while the context lasts.
+
+  `policies` ({id(module): Policy}) gives modules of these graphs the policy their scope
+  takes (a marked model's overrides, when the model is called inside another trace).
+  """
   paths: dict[int, tuple] = {}
   classes: set[type] = set()
   for root_index, node in enumerate(nodes):
@@ -75,8 +88,9 @@ def module_scopes(nodes, module_at: dict, module_policy: dict) -> Iterator[None]
   originals = {(cls, m): getattr(cls, m) for cls in classes for m in METHODS
                if callable(getattr(cls, m, None))}
   owned = {(cls, m): m in cls.__dict__ for cls, m in originals}
-  saved_paths = _TRACKER.paths
+  saved_paths, saved_policies = _TRACKER.paths, _TRACKER.policies
   _TRACKER.paths = {**saved_paths, **paths}
+  _TRACKER.policies = {**saved_policies, **(policies or {})}
   try:
     for (cls, m), original in originals.items():
       setattr(cls, m, _wrap(original, module_at, module_policy))
@@ -87,4 +101,4 @@ def module_scopes(nodes, module_at: dict, module_policy: dict) -> Iterator[None]
         setattr(cls, m, original)
       else:
         delattr(cls, m)
-    _TRACKER.paths = saved_paths
+    _TRACKER.paths, _TRACKER.policies = saved_paths, saved_policies
