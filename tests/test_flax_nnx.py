@@ -1,6 +1,8 @@
 """precision.flax.apply_policy on NNX models (run under precision.autocast): dtypes, the
 audit of every GEMM, overrides, the compiled program against hand-written Flax."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from flax import nnx
 
 import precision as mp
+from precision.flax import _scopes
 from precision.flax import apply_policy, apply_recipe
 import _models as M
 
@@ -217,3 +220,60 @@ def test_apply_policy_takes_a_recipe_or_plan_for_its_policy(tokens):
     apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "fp8_hybrid")
   with pytest.raises(ValueError, match="'bf16_mixd' is neither a dtype nor a preset.*bf16_mixed"):
     apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "bf16_mixd")
+
+
+def test_two_threads_tracing_at_once_keep_their_scopes_and_restore_the_classes():
+  barrier, first_done = threading.Barrier(2), threading.Event()
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.body = nnx.Linear(8, 16, rngs=rngs)
+      self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+      barrier.wait(timeout=60)      # both traces have installed their module scopes
+      y = self.head(jnp.tanh(self.body(x)))
+      if threading.current_thread().name == "second":
+        first_done.wait(timeout=60)  # the first trace ends while this one runs
+      return y
+
+  before = {cls: dict(cls.__dict__).get("__call__") for cls in (Net, nnx.Linear)}
+  x = jnp.ones((2, 8), F32)
+  results = {}
+
+  def trace(name):
+    try:
+      fn = mp.autocast(lambda m, x: jnp.sum(m(x)), MIXED, {nnx.Linear: "f32"})
+      report = mp.audit.audit(jax.grad(fn), Net(nnx.Rngs(0)), x)
+      results[name] = {(g.scope.split("/")[0], g.lhs_dtype) for g in report.gemms}
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = e
+    finally:
+      if name == "first":
+        first_done.set()
+
+  threads = [threading.Thread(target=trace, args=(n,), name=n) for n in ("first", "second")]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  for name in ("first", "second"):
+    assert results[name] == {("body", "float32"), ("head", "float32")}, (name, results[name])
+  assert {cls: dict(cls.__dict__).get("__call__") for cls in (Net, nnx.Linear)} == before
+
+
+def test_marking_a_model_while_its_class_is_traced_keeps_the_dispatcher():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.lin(x)
+
+  # As when another thread's trace has Net wrapped while this one marks a model.
+  with _scopes.module_scopes([Net(nnx.Rngs(0))], {}, {}):
+    model = apply_policy(Net(nnx.Rngs(1)), MIXED)
+  assert getattr(Net.__dict__["__call__"], "precision_original", None) is not None
+  x = jnp.ones((2, 4), F32)
+  report = mp.audit.audit(lambda m, x: m(x), model, x)
+  assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 1}

@@ -58,9 +58,13 @@ def call_under_spec(spec: _api.AutocastSpec, method, module, args, kwargs):
 
 
 def _install_dispatcher(cls: type) -> None:
-  if cls in _DISPATCHED:
-    return
-  original = cls.__call__
+  with _scopes.LOCK:  # a trace in another thread may have wrapped the class just now
+    if cls not in _DISPATCHED:
+      _install_dispatcher_locked(cls)
+
+
+def _install_dispatcher_locked(cls: type) -> None:
+  original = _scopes.unwrapped(cls, "__call__")
 
   @functools.wraps(original)
   def __call__(self, *args, **kwargs):
@@ -72,7 +76,8 @@ def _install_dispatcher(cls: type) -> None:
     return _call_in_trace(spec, original, self, args, kwargs)
 
   __call__.precision_original = original
-  cls.__call__ = __call__
+  if not _scopes.replace_original(cls, "__call__", __call__):
+    cls.__call__ = __call__
   _DISPATCHED.add(cls)
 
 
