@@ -31,6 +31,10 @@ def _batch():
   return {"x": x, "y": y}
 
 
+def _loss(m, b):
+  return jnp.mean(jnp.square(m(b["x"]) - b["y"]))
+
+
 def _signatures(report, pattern):
   return {(g.lhs_dtype, g.rhs_dtype) for g in report.gemms_in_scope(pattern)}
 
@@ -55,8 +59,7 @@ def _dp_report(model, **kwargs):
 
 
 def _own_report(model):
-  return mp.audit.audit(nnx.grad(lambda m, b: jnp.mean(jnp.square(m(b["x"]) - b["y"]))),
-                        model, _batch())
+  return mp.audit.audit(nnx.grad(_loss), model, _batch())
 
 
 @pytest.mark.parametrize("how", ["same_recipe", "plan", "overrides"])
@@ -90,12 +93,21 @@ def test_data_parallel_overrides_need_a_recipe_and_no_plan():
     _dp(Net(nnx.Rngs(0)), recipe=mp.bind("bf16_mixed"), overrides={"head": "f32"})
 
 
-def test_data_parallel_step_runs_with_the_plan():
+@pytest.mark.parametrize("recipe", ["plan", "bf16_mixed"])
+def test_data_parallel_loss_is_the_models_own(recipe):
   plan = mp.bind("bf16_mixed", overrides={"head": "f32"})
-  dp, params = _dp(mp.flax.apply_recipe(Net(nnx.Rngs(0)), plan), recipe=plan)
-  state = dp.init(params)
-  state, metrics = dp.step(state, _batch())
-  assert np.isfinite(float(metrics["loss"]))
+  model = mp.flax.apply_recipe(Net(nnx.Rngs(0)), plan)
+  batch = _batch()
+  # The marked model's own calls on each device's half of the batch, then the mean.
+  halves = [{k: v[i * 2:(i + 1) * 2] for k, v in batch.items()} for i in range(2)]
+  own = np.mean([float(jax.jit(_loss)(model, h)) for h in halves])
+  dp, params = _dp(model, recipe=plan if recipe == "plan" else recipe)
+  _, metrics = dp.step(dp.init(params), batch)
+  np.testing.assert_allclose(float(metrics["loss"]), own, rtol=1e-6)
+  # Every GEMM in bf16 (the overrides lost) gives another loss.
+  plain = mp.flax.apply_recipe(Net(nnx.Rngs(0)), "bf16_mixed")
+  all_bf16 = np.mean([float(jax.jit(_loss)(plain, h)) for h in halves])
+  assert abs(all_bf16 - own) > 1e-5 * abs(own)
 
 
 # ----------------------------------------------------------------------------- bind
@@ -136,10 +148,6 @@ def test_bind_errors_name_the_bad_value():
     mp.autocast(lambda x: x, mp.bind("bf16_mixed"), overrides={"head": "f32"})
   with pytest.raises(ValueError, match="fp32_ops"):
     mp.bind("bf16_mixed", fp32_ops=["softmax", "no_such_op"])
-
-
-def _loss(m, b):
-  return jnp.mean(jnp.square(m(b["x"]) - b["y"]))
 
 
 def test_entry_points_take_a_plan_as_they_take_recipe_and_overrides():
