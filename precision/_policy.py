@@ -160,8 +160,8 @@ def get_policy(policy: str | Policy) -> Policy:
       an unknown key or dtype, a duplicated key or a non-float dtype.
 
   Examples:
-    >>> get_policy("p=f32,c=bf16")
-    Policy(param_dtype=dtype('float32'), compute_dtype=dtype('bfloat16'), output_dtype=dtype('bfloat16'))
+    >>> str(get_policy("p=f32,c=bf16"))
+    'p=f32,c=bf16,o=bf16'
     >>> str(get_policy(jmp.get_policy("p=f32,c=bf16,o=f32")))
     'p=f32,c=bf16,o=f32'
   """

@@ -41,7 +41,8 @@ def test_walks_scan_cond_while_remat_custom_vjp():
   # The cond branch's jnp.dot accumulates in bf16: check names it.
   with pytest.raises(ValueError, match="accumulates in bf16"):
     r.check("p=f32,c=bf16")
-  grad = mp.audit.audit(jax.grad(lambda a: jnp.sum(mp.ops.einsum("ij,jk->ik", a, w).astype(F32))), x)
+  grad = mp.audit.audit(
+      jax.grad(lambda a: jnp.sum(mp.ops.einsum("ij,jk->ik", a, w).astype(F32))), x)
   assert [g.direction for g in grad.gemms] == ["fwd", "bwd", "bwd"]
 
 

@@ -92,7 +92,8 @@ def test_gemm_rules_and_result_dtypes():
   assert plain.dtype == F32 and explicit.dtype == F32
   inner = mp.autocast(lambda x, w: x @ w, "p=f32,c=bf16,o=bf16")
   assert jax.eval_shape(inner, x, w).dtype == BF16
-  assert [g[:3] for g in _gemms(mp.audit.audit(f, x, w))] == [("bfloat16", "bfloat16", "float32")] * 2
+  assert [g[:3] for g in _gemms(mp.audit.audit(f, x, w))] == [
+      ("bfloat16", "bfloat16", "float32")] * 2
 
 
 def test_preferred_element_type_is_honoured_by_policy_gemms():
