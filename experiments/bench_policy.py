@@ -58,7 +58,7 @@ def _step(model, loss, tokens):
   with zoo.user_code():  # the models' own code assumes JAX's default promotion
     lowered = jax.jit(step).lower(state, tokens)
     compiled = lowered.compile()
-    report = mp.audit(step, state, tokens)
+    report = mp.audit.audit(step, state, tokens)
   return compiled, state, report
 
 

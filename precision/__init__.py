@@ -1,14 +1,17 @@
 """precision: numeric-precision recipes for training with JAX, Flax and Optax.
 
-Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `autocast`
+Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `bind` (a
+recipe with its overrides interpreted once, a Plan every entry point takes), `autocast`
 (a policy or recipe applied to any JAX function), float-format facts
 (`precision.formats`), the faithful-rounding switch, stochastic rounding, the training
 step of every recipe (`value_and_grad`, `train_step`), `TrainState` (what checkpoints
 and data parallelism carry), and the subpackages flax, audit, optim, fp8, parallel,
-checkpoint.
+checkpoint. `precision.audit` is the package (`precision.audit.lower`, ...) and calling
+it is `precision.audit.audit(fn, *args)`.
 """
 
 from precision import _autocast
+from precision import audit
 from precision import checkpoint
 from precision import flax
 from precision import formats
@@ -20,7 +23,8 @@ from precision import rounding
 from precision._autocast import autocast
 from precision.audit import PrecisionReport
 from precision.audit import PrecisionViolation
-from precision.audit import audit
+from precision._plan import Plan
+from precision._plan import bind
 from precision._numerics import enable_faithful_rounding
 from precision._numerics import faithful_rounding_enabled
 from precision._policy import Policy
@@ -60,6 +64,7 @@ __all__ = [
     "Fp8Config",
     "LossScaleConfig",
     "PRESETS",
+    "Plan",
     "PrecisionReport",
     "PrecisionViolation",
     "Policy",
@@ -71,6 +76,7 @@ __all__ = [
     "enable_faithful_rounding",
     "faithful_rounding_enabled",
     "audit",
+    "bind",
     "flax",
     "formats",
     "fp8",

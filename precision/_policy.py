@@ -12,6 +12,7 @@ Casts touch floating leaves only: integer, bool and PRNG-key leaves pass through
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, TypeVar
 
 import jax
@@ -144,17 +145,33 @@ class Policy:
             f"o={dtype_name(self.output_dtype)}")
 
 
+def _jmp_policy_type() -> type | None:
+  # jmp is not a dependency: a jmp.Policy can only exist once the user imported jmp.
+  jmp = sys.modules.get("jmp")
+  return getattr(jmp, "Policy", None) if jmp is not None else None
+
+
 def get_policy(policy: str | Policy) -> Policy:
-  """Parses a policy string in jmp's grammar (plus fp8 dtype names); a Policy passes through.
+  """Parses a policy string in jmp's grammar (plus fp8 dtype names); a Policy passes
+  through; a `jmp.Policy` becomes the Policy of its three dtypes.
 
   Raises:
     ValueError: naming the bad token and listing what is accepted, for an empty string,
       an unknown key or dtype, a duplicated key or a non-float dtype.
+
+  Examples:
+    >>> str(get_policy("p=f32,c=bf16"))
+    'p=f32,c=bf16,o=bf16'
+    >>> str(get_policy(jmp.get_policy("p=f32,c=bf16,o=f32")))
+    'p=f32,c=bf16,o=f32'
   """
   if isinstance(policy, Policy):
     return policy
+  jmp_policy = _jmp_policy_type()
+  if jmp_policy is not None and isinstance(policy, jmp_policy):
+    return Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
   if not isinstance(policy, str):
-    raise ValueError(f"A policy is a string or a Policy, got {policy!r}")
+    raise ValueError(f"A policy is a string, a Policy or a jmp.Policy, got {policy!r}")
   text = policy.strip()
   if not text:
     raise ValueError(

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any
+import types
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -535,7 +536,9 @@ def _presets() -> dict[str, Recipe]:
   )}
 
 
-PRESETS: dict[str, Recipe] = _presets()
+# Read-only: a preset is what every checkpoint, sweep and report means by its name; a
+# variant is a new Recipe (`get_recipe("bf16_mixed").replace(name=..., ...)`).
+PRESETS: Mapping[str, Recipe] = types.MappingProxyType(_presets())
 
 
 def get_recipe(name: str | Recipe) -> Recipe:

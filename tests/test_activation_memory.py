@@ -13,6 +13,7 @@ growth per sequence when the batch doubles, so weight copies drop out (as
 `experiments.bench` measures them).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -23,7 +24,6 @@ from flax import nnx
 
 import precision as mp
 from precision import ops
-from precision._autocast import _api
 from models import gpt as gpt_lib
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -46,9 +46,8 @@ def _gpt(config, recipe, recompute=True):
   recipe = mp.get_recipe(recipe)
   mp.flax.apply_recipe(model, recipe)
   if not recompute:  # the same spec, keeping the f32 intermediates
-    spec = mp.flax.policy_of(model)
-    setattr(model, "precision_autocast", _api.AutocastSpec(
-        spec.policy, spec.rules, spec.fp32_ops, recompute_f32=False))
+    spec = mp.flax.spec_of(model)
+    setattr(model, "precision_autocast", dataclasses.replace(spec, recompute_f32=False))
   return nnx.split(model, nnx.Param, ...)
 
 

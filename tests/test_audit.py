@@ -1,5 +1,9 @@
 """precision.audit: jaxpr walk through control flow, FLOPs, fp8 GEMMs, check and printing."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -25,7 +29,7 @@ def test_walks_scan_cond_while_remat_custom_vjp():
     return jnp.sum(jnp.exp(y.astype(F32)))
 
   x = jnp.ones((4, 8), BF16)
-  r = mp.audit(jax.jit(f), x)
+  r = mp.audit.audit(jax.jit(f), x)
   assert r.num_gemms == 5 and r.has_while
   assert r.flops == 5 * 2 * 4 * 8 * 8
   scan_gemm = [g for g in r.gemms if g.count == 3]
@@ -37,7 +41,8 @@ def test_walks_scan_cond_while_remat_custom_vjp():
   # The cond branch's jnp.dot accumulates in bf16: check names it.
   with pytest.raises(ValueError, match="accumulates in bf16"):
     r.check("p=f32,c=bf16")
-  grad = mp.audit(jax.grad(lambda a: jnp.sum(mp.ops.einsum("ij,jk->ik", a, w).astype(F32))), x)
+  grad = mp.audit.audit(
+      jax.grad(lambda a: jnp.sum(mp.ops.einsum("ij,jk->ik", a, w).astype(F32))), x)
   assert [g.direction for g in grad.gemms] == ["fwd", "bwd", "bwd"]
 
 
@@ -45,7 +50,7 @@ def test_reduction_below_f32_and_wrong_operands_are_violations():
   def f(x, w):
     y = mp.ops.einsum("ij,jk->ik", x.astype(F32), w.astype(F32))  # f32 GEMM under bf16 policy
     return jax.lax.reduce(y.astype(BF16), jnp.zeros((), BF16), jax.lax.add, (0, 1))  # bf16 sum
-  r = mp.audit(f, jnp.ones((4, 8)), jnp.ones((8, 8)))
+  r = mp.audit.audit(f, jnp.ones((4, 8)), jnp.ones((8, 8)))
   v = r.violations("p=f32,c=bf16,o=f32")
   assert len(v) == 2
   assert any("accumulates in bf16" in s for s in v)
@@ -62,7 +67,7 @@ def test_fp8_gemm_reported_as_fp8():
   def f(x, w):
     return jax.lax.dot_general(x.astype(e4m3), w.astype(e4m3), (((1,), (0,)), ((), ())),
                                preferred_element_type=F32)
-  r = mp.audit(f, jnp.ones((4, 16)), jnp.ones((16, 8)))
+  r = mp.audit.audit(f, jnp.ones((4, 16)), jnp.ones((16, 8)))
   (g,) = r.gemms
   assert g.is_fp8 and g.lhs_dtype == "float8_e4m3fn" and g.flops == 2 * 4 * 16 * 8
   r.check("p=f32,c=bf16")  # fp8 operands with f32 accumulation are accepted
@@ -72,7 +77,7 @@ def test_fp8_gemm_reported_as_fp8():
 def test_printing_is_one_screen():
   w = jnp.ones((8, 8), BF16)
   f = lambda x: mp.ops.cross_entropy(mp.ops.einsum("ij,jk->ik", x, w), jnp.zeros((4,), jnp.int32))
-  r = mp.audit(jax.value_and_grad(f), jnp.ones((4, 8), BF16))
+  r = mp.audit.audit(jax.value_and_grad(f), jnp.ones((4, 8), BF16))
   text = r.precision_map()
   assert len(text.splitlines()) <= 25
   # One row per region: its name, then the dtypes it computes in. The loss's island
@@ -82,3 +87,15 @@ def test_printing_is_one_screen():
   assert rows["log_softmax"] == ["f32"], text
   assert "GEMM bwd" in text and "intermediates" in text
   assert "bf16 x bf16 -> f32 -> f32" in r.table()
+
+
+def test_precision_audit_is_the_package_and_stays_callable():
+  # A fresh interpreter: `import precision` alone, no submodule imported by name first.
+  code = ("import types, precision, jax.numpy as jnp\n"
+          "assert isinstance(precision.audit, types.ModuleType)\n"
+          "assert precision.audit.lower is not None and precision.audit.audit is not None\n"
+          "x = jnp.ones((2, 2))\n"
+          "assert precision.audit(lambda a: a @ a, x).num_gemms == 1\n"
+          "assert precision.audit.audit(lambda a: a @ a, x).num_gemms == 1\n")
+  subprocess.run([sys.executable, "-c", code], check=True,
+                 env={**os.environ, "JAX_PLATFORMS": "cpu"})

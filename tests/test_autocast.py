@@ -92,7 +92,8 @@ def test_gemm_rules_and_result_dtypes():
   assert plain.dtype == F32 and explicit.dtype == F32
   inner = mp.autocast(lambda x, w: x @ w, "p=f32,c=bf16,o=bf16")
   assert jax.eval_shape(inner, x, w).dtype == BF16
-  assert [g[:3] for g in _gemms(mp.audit(f, x, w))] == [("bfloat16", "bfloat16", "float32")] * 2
+  assert [g[:3] for g in _gemms(mp.audit.audit(f, x, w))] == [
+      ("bfloat16", "bfloat16", "float32")] * 2
 
 
 def test_preferred_element_type_is_honoured_by_policy_gemms():
@@ -121,7 +122,7 @@ def test_f32_ops_and_promotion_and_explicit_casts():
   assert {s.dtype, g.dtype, r.dtype, h2.dtype} == {np.dtype(BF16)}
   raw = mp._autocast._api.run(mp._autocast.AutocastSpec.make(MIXED), fn, (x, w, b), {})
   assert [o.dtype for o in raw.outputs] == [F32, F32, F16, BF16]
-  report = mp.audit(mp.autocast(fn, MIXED), x, w, b)
+  report = mp.audit.audit(mp.autocast(fn, MIXED), x, w, b)
   f32_ops = {o.primitive: o.dtype for o in report.ops if o.primitive in ("exp", "tanh",
                                                                          "reduce_sum")}
   assert set(f32_ops.values()) == {"float32"} and len(f32_ops) == 3
@@ -130,12 +131,12 @@ def test_f32_ops_and_promotion_and_explicit_casts():
 def test_fp32_ops_choice_is_read():
   fn = lambda x, w: jnp.tanh(x @ w)
   x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
-  with_tanh = mp.audit(mp.autocast(fn, MIXED), x, w)
-  without = mp.audit(mp.autocast(fn, MIXED, fp32_ops=("softmax",)), x, w)
+  with_tanh = mp.audit.audit(mp.autocast(fn, MIXED), x, w)
+  without = mp.audit.audit(mp.autocast(fn, MIXED, fp32_ops=("softmax",)), x, w)
   assert [o.dtype for o in with_tanh.ops if o.primitive == "tanh"] == ["float32"]
   assert [o.dtype for o in without.ops if o.primitive == "tanh"] == ["bfloat16"]
   recipe = mp.get_recipe("bf16_mixed").replace(fp32_ops=("rms_norm",))
-  assert [o.dtype for o in mp.audit(mp.autocast(fn, recipe), x, w).ops
+  assert [o.dtype for o in mp.audit.audit(mp.autocast(fn, recipe), x, w).ops
           if o.primitive == "tanh"] == ["bfloat16"]
 
 
@@ -155,7 +156,7 @@ def test_control_flow_is_recursed_and_carries_keep_dtypes():
   same = jax.jit(jax.value_and_grad(mp.autocast(fn, "fp32"), (0, 1)))(x, w)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(same)))
   f = mp.autocast(fn, MIXED)
-  report = mp.audit(jax.value_and_grad(f, (0, 1)), x, w)
+  report = mp.audit.audit(jax.value_and_grad(f, (0, 1)), x, w)
   assert report.gemms and {g[:3] for g in _gemms(report)} == {
       ("bfloat16", "bfloat16", "float32")}
   report.check(MIXED)
@@ -166,7 +167,7 @@ def test_control_flow_is_recursed_and_carries_keep_dtypes():
   def loop(x, w):
     return jax.lax.while_loop(lambda v: v[0] < 2, lambda v: (v[0] + 1, v[1] @ w), (0, x))[1]
 
-  report = mp.audit(mp.autocast(loop, MIXED), x, w)
+  report = mp.audit.audit(mp.autocast(loop, MIXED), x, w)
   assert report.has_while and {g[:3] for g in _gemms(report)} == {
       ("bfloat16", "bfloat16", "float32")}
   assert mp.autocast(loop, "p=f32,c=bf16,o=bf16")(x, w).dtype == BF16
@@ -184,7 +185,7 @@ def test_custom_jvp_rule_is_kept_and_custom_vjp_runs_as_written():
   gx = jax.grad(f)(x, w)
   # relu's custom JVP (derivative 0 at 0) survives the rewrite; own() adds 1.
   np.testing.assert_array_equal(np.asarray(gx), [[1.0, 2.0, 1.0, 2.0]])
-  report = mp.audit(jax.grad(f, (0, 1)), x, w)
+  report = mp.audit.audit(jax.grad(f, (0, 1)), x, w)
   assert ("float32", "float32", "float32", "float32") in _gemms(report)  # inside own()
   assert ("bfloat16", "bfloat16", "float32", "float32") in _gemms(report)
 
@@ -199,7 +200,7 @@ def test_overrides_by_named_scope_and_module_type():
     return jnp.sum((x @ w) * y)
 
   x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
-  report = mp.audit(jax.grad(mp.autocast(fn, MIXED, {"head": "f32"}), 1), x, w)
+  report = mp.audit.audit(jax.grad(mp.autocast(fn, MIXED, {"head": "f32"}), 1), x, w)
   by_scope = {g.scope: g.lhs_dtype for g in report.gemms}
   assert by_scope["head"] == "float32" and "bfloat16" in by_scope.values()
   with pytest.raises(ValueError, match="'haed'.*'head'"):
@@ -214,7 +215,7 @@ def test_overrides_by_named_scope_and_module_type():
       return self.b(self.a(x))
 
   net = mp.flax.apply_policy(Net(), MIXED, {nnx.Linear: "f32"})
-  report = mp.audit(lambda m, x: m(x), net, x)
+  report = mp.audit.audit(lambda m, x: m(x), net, x)
   assert {g.scope.split("/")[0]: g.lhs_dtype for g in report.gemms} == {
       "a": "float32", "b": "bfloat16"}
 
@@ -233,7 +234,7 @@ def test_module_scopes_and_type_overrides_in_another_thread():
 
   def scopes():
     net = mp.flax.apply_policy(Net(), MIXED, {"b": "f32"})
-    report = mp.audit(lambda m, x: m(x), net, jnp.ones((2, 4)))
+    report = mp.audit.audit(lambda m, x: m(x), net, jnp.ones((2, 4)))
     return {g.scope.split("/")[0]: g.lhs_dtype for g in report.gemms}
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -250,7 +251,7 @@ def test_linen_overrides_types_and_bad_pattern():
   x = jnp.ones((2, 4))
   with mp.flax.linen_policy(MIXED, {nn.Dense: "f32"}):
     v = Net().init(jax.random.key(0), x)
-    report = mp.audit(lambda v, x: Net().apply(v, x), v, x)
+    report = mp.audit.audit(lambda v, x: Net().apply(v, x), v, x)
   assert {g.lhs_dtype for g in report.gemms} == {"float32"}
   with pytest.raises(ValueError, match="hed"):
     with mp.flax.linen_policy(MIXED, {"hed": "f32"}):

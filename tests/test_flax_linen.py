@@ -1,5 +1,8 @@
 """precision.flax.linen_policy on Linen models: the issue-3 gates for Linen."""
 
+import contextlib
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +57,7 @@ def test_init_creates_params_in_param_dtype(tokens):
 
 
 def test_bf16_audit_and_check(params, tokens):
-  report = mp.audit(_step(M.LinenAttentionLM(), MIXED), params, tokens)
+  report = mp.audit.audit(_step(M.LinenAttentionLM(), MIXED), params, tokens)
   assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 21}
   islands = report.island_dtypes()
   assert islands["norm"] == islands["softmax"] == islands["cross_entropy"] == {"f32"}
@@ -68,7 +71,7 @@ def test_override_and_bad_pattern(params, tokens):
     with linen_policy(MIXED, overrides):
       return model.apply(p, t)
 
-  report = mp.audit(lambda p, t: fwd(p, t, {"lm_head": "f32"}), params, tokens)
+  report = mp.audit.audit(lambda p, t: fwd(p, t, {"lm_head": "f32"}), params, tokens)
   f32 = [g for g in report.gemms if g.lhs_dtype == "float32"]
   assert [g.scope for g in f32] == ["LinenAttentionLM/lm_head"]
   with pytest.raises(ValueError, match="lm_haed"):
@@ -89,3 +92,72 @@ def test_bf16_logits_close_to_f32_and_mlp(params, tokens):
     p = M.LinenMLP().init(jax.random.key(0), x)
     y = M.LinenMLP().apply(p, x)
   assert y.dtype == F32 and {v.dtype for v in jax.tree.leaves(p)} == {np.dtype(F32)}
+
+
+def test_recipe_and_plan_entry_points(params, tokens):
+  model = M.LinenAttentionLM()
+
+  def signatures(policy):
+    def fwd(p, t):
+      with linen_policy(policy):
+        return model.apply(p, t)
+    return mp.audit.audit(fwd, params, tokens)
+
+  assert signatures("bf16_mixed").gemm_signatures() == signatures(MIXED).gemm_signatures()
+  report = signatures(mp.bind("bf16_mixed", overrides={"lm_head": "f32"}))
+  assert [g.scope for g in report.gemms if g.lhs_dtype == "float32"] == [
+      "LinenAttentionLM/lm_head"]
+  with pytest.raises(ValueError, match="fp8 GEMMs"):
+    with linen_policy("fp8_hybrid"):
+      pass
+  with pytest.raises(ValueError, match="already bound"):
+    with linen_policy(mp.bind("bf16_mixed"), {"lm_head": "f32"}):
+      pass
+
+
+class _TrainNet(nn.Module):
+  """Dense -> BatchNorm -> Dropout -> Dense, the mode given by a keyword: `train`, or
+  `deterministic` (Flax's own spelling) with `use_deterministic=True`."""
+  use_deterministic: bool = False
+
+  @nn.compact
+  def __call__(self, x, scale=1.0, *, train: bool = True, deterministic: bool = False):
+    if self.use_deterministic:
+      train = not deterministic
+    x = nn.Dense(16)(x) * scale
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    x = nn.Dropout(0.5, deterministic=not train)(x)
+    return nn.Dense(4)(x)
+
+
+def _bits_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+@pytest.mark.parametrize("use_deterministic", [False, True])
+def test_keyword_arguments_mutable_and_rngs_reach_the_module(use_deterministic):
+  net = _TrainNet(use_deterministic)
+  x = jax.random.normal(jax.random.key(1), (8, 5), F32)
+  mode = ((lambda train: {"deterministic": not train}) if use_deterministic
+          else (lambda train: {"train": train}))
+
+  def run(under):
+    with jax.numpy_dtype_promotion("standard"):
+      with (linen_policy(under) if under else contextlib.nullcontext()):
+        v = net.init({"params": jax.random.key(0), "dropout": jax.random.key(2)}, x,
+                     **mode(False))
+        y_train, new = net.apply(v, x, 2.0, mutable=["batch_stats"],
+                                 rngs={"dropout": jax.random.key(3)}, **mode(True))
+        y_eval = net.apply(v, x, scale=jnp.asarray(2.0, F32), **mode(False))  # an array
+        y_eval_new = net.apply({**v, **new}, x, **mode(False))
+    return v, y_train, new, y_eval, y_eval_new
+
+  ref, lib = run(None), run("fp32")
+  for a, b in zip(ref, lib):
+    _bits_equal(a, b)
+  _, y_train, new, y_eval, _ = lib
+  assert not np.array_equal(np.asarray(y_train), np.asarray(y_eval))  # the modes differ
+  assert not np.array_equal(np.asarray(new["batch_stats"]["BatchNorm_0"]["mean"]), 0)

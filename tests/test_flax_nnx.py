@@ -1,6 +1,8 @@
 """precision.flax.apply_policy on NNX models (run under precision.autocast): dtypes, the
 audit of every GEMM, overrides, the compiled program against hand-written Flax."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from flax import nnx
 
 import precision as mp
+from precision.flax import _scopes
 from precision.flax import apply_policy, apply_recipe
 import _models as M
 
@@ -70,7 +73,8 @@ def test_bf16_layers_and_dtypes(bf16_lm, tokens):
   # Nothing replaced: the classes and layer attributes are the user's own.
   assert type(bf16_lm) is M.AttentionLM and type(bf16_lm.blocks[0].qkv) is nnx.Linear
   assert bf16_lm.blocks[0].qkv.dot_general is jax.lax.dot_general
-  assert mp.flax.policy_of(bf16_lm).policy == mp.get_policy(MIXED)
+  assert mp.flax.policy_of(bf16_lm) == mp.get_policy(MIXED)
+  assert mp.flax.spec_of(bf16_lm).policy == mp.get_policy(MIXED)
   # Only the marked instance runs under the policy: a submodule called on its own, or
   # another instance of the class, is plain Flax.
   assert bf16_lm.blocks[0].qkv(jnp.ones((1, 32), F32)).dtype == F32
@@ -85,7 +89,7 @@ def test_bf16_layers_and_dtypes(bf16_lm, tokens):
 
 def test_bf16_audit_every_gemm_bf16_f32_accumulate(bf16_lm, tokens):
   step, state = _loss_and_grads(bf16_lm, M.lm_loss, tokens)
-  report = mp.audit(step, state, tokens)
+  report = mp.audit.audit(step, state, tokens)
   sigs = report.gemm_signatures()
   assert set(sigs) == {("bf16", "bf16", "f32", "f32")}
   assert sum(sigs.values()) == 21  # 7 GEMMs forward, 14 backward
@@ -102,7 +106,7 @@ def test_handwritten_flax_backward_is_mixed(tokens):
   # jax issue 34330: hand-written Flax runs backward GEMMs as f32 x bf16.
   hw = M.AttentionLM(rngs=nnx.Rngs(0), handwritten=BF16)
   step, state = _loss_and_grads(hw, M.lm_loss, tokens, promotion="standard")
-  report = mp.audit(step, state, tokens)
+  report = mp.audit.audit(step, state, tokens)
   mixed = [g for g in report.gemms if g.lhs_dtype != g.rhs_dtype]
   assert len(mixed) >= 10 and all(g.direction == "bwd" for g in mixed)
   with pytest.raises(ValueError, match="expected bf16"):
@@ -122,7 +126,7 @@ def test_override_one_layer_to_f32(tokens):
   model = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), MIXED,
                        {"*lm_head*": "f32", nnx.Embed: MIXED})
   step, state = _loss_and_grads(model, M.lm_loss, tokens)
-  report = mp.audit(step, state, tokens)
+  report = mp.audit.audit(step, state, tokens)
   f32 = [g for g in report.gemms if g.lhs_dtype == "float32"]
   assert len(f32) == 3 and {g.scope for g in f32} == {"lm_head"}
   assert {g.direction for g in f32} == {"fwd", "bwd"}
@@ -183,7 +187,7 @@ def test_conv_einsum_embed_attend_gradients():
   x = jax.random.normal(jax.random.key(0), (2, 6, 6, 3), F32)
   loss = lambda m, x: jnp.mean(m(x).astype(F32) ** 2)
   step, state = _loss_and_grads(net, loss, x)
-  report = mp.audit(step, state, x)
+  report = mp.audit.audit(step, state, x)
   assert len(report.gemms) == 9
   assert {(g.lhs_dtype, g.rhs_dtype, g.acc_dtype) for g in report.gemms} == {
       ("bfloat16", "bfloat16", "float32")}
@@ -255,3 +259,77 @@ def test_rng_state_under_jax_grad_of_the_functional_pattern(deterministic):
                                                            "bf16_mixed"), x, y)
   assert np.isfinite(float(value)) and _equal_trees(bf16_rest, rest)
   assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(F32)}
+
+
+def test_apply_policy_takes_a_recipe_or_plan_for_its_policy(tokens):
+  by_name = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "bf16_mixed")
+  by_string = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), MIXED)
+  assert mp.flax.policy_of(by_name) == mp.flax.policy_of(by_string) == mp.get_policy(MIXED)
+  assert mp.flax.spec_of(by_name).recipe == mp.get_recipe("bf16_mixed")
+  assert np.array_equal(np.asarray(by_name(tokens)), np.asarray(by_string(tokens)))
+  plan = mp.bind("pure_bf16", overrides={"lm_head": "f32"})
+  by_plan = apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), plan)
+  assert mp.flax.spec_of(by_plan) == plan.autocast_spec
+  assert by_plan.lm_head.kernel.get_value().dtype == F32
+  assert by_plan.blocks[0].qkv.kernel.get_value().dtype == BF16
+  with pytest.raises(ValueError, match="fp8 GEMMs.*apply_recipe"):
+    apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "fp8_hybrid")
+  with pytest.raises(ValueError, match="'bf16_mixd' is neither a dtype nor a preset.*bf16_mixed"):
+    apply_policy(M.AttentionLM(rngs=nnx.Rngs(0)), "bf16_mixd")
+
+
+def test_two_threads_tracing_at_once_keep_their_scopes_and_restore_the_classes():
+  barrier, first_done = threading.Barrier(2), threading.Event()
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.body = nnx.Linear(8, 16, rngs=rngs)
+      self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+      barrier.wait(timeout=60)      # both traces have installed their module scopes
+      y = self.head(jnp.tanh(self.body(x)))
+      if threading.current_thread().name == "second":
+        first_done.wait(timeout=60)  # the first trace ends while this one runs
+      return y
+
+  before = {cls: dict(cls.__dict__).get("__call__") for cls in (Net, nnx.Linear)}
+  x = jnp.ones((2, 8), F32)
+  results = {}
+
+  def trace(name):
+    try:
+      fn = mp.autocast(lambda m, x: jnp.sum(m(x)), MIXED, {nnx.Linear: "f32"})
+      report = mp.audit.audit(jax.grad(fn), Net(nnx.Rngs(0)), x)
+      results[name] = {(g.scope.split("/")[0], g.lhs_dtype) for g in report.gemms}
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = e
+    finally:
+      if name == "first":
+        first_done.set()
+
+  threads = [threading.Thread(target=trace, args=(n,), name=n) for n in ("first", "second")]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  for name in ("first", "second"):
+    assert results[name] == {("body", "float32"), ("head", "float32")}, (name, results[name])
+  assert {cls: dict(cls.__dict__).get("__call__") for cls in (Net, nnx.Linear)} == before
+
+
+def test_marking_a_model_while_its_class_is_traced_keeps_the_dispatcher():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.lin(x)
+
+  # As when another thread's trace has Net wrapped while this one marks a model.
+  with _scopes.module_scopes([Net(nnx.Rngs(0))], {}, {}):
+    model = apply_policy(Net(nnx.Rngs(1)), MIXED)
+  assert getattr(Net.__dict__["__call__"], "precision_original", None) is not None
+  x = jnp.ones((2, 4), F32)
+  report = mp.audit.audit(lambda m, x: m(x), model, x)
+  assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 1}

@@ -376,3 +376,38 @@ def test_select_tree_rejects_mismatched_leaves_and_keeps_dtypes():
     mp.select_tree(True, a, {"w": jnp.zeros(2, jnp.bfloat16)})
   out = jax.jit(mp.select_tree)(jnp.bool_(False), a, {"w": jnp.full(3, jnp.nan, jnp.bfloat16)})
   assert out["w"].dtype == jnp.bfloat16 and bool(jnp.isnan(out["w"]).all())
+
+
+# ----------------------------------------------------------------------------- interop
+
+
+def test_get_policy_accepts_a_jmp_policy():
+  jmp = pytest.importorskip("jmp")
+  for text in ("p=f32,c=bf16,o=f32", "p=f32,c=f16", "bf16"):
+    assert mp.get_policy(jmp.get_policy(text)) == mp.get_policy(text)
+  assert mp.Recipe("r", mp.get_policy(jmp.get_policy("c=bf16"))).policy == mp.get_policy(
+      "c=bf16")
+  with pytest.raises(ValueError, match="a jmp.Policy, got 3"):
+    mp.get_policy(3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mp.DynamicLossScale(jnp.asarray(2.0 ** 15)),           # a weakly typed f32
+    lambda: mp.DynamicLossScale(jnp.float32(2.0 ** 15), growth_tracker=jnp.asarray(0)),
+    lambda: mp.DynamicLossScale(np.float32(2.0 ** 15), hysteresis_tracker=jnp.asarray(1)),
+    lambda: mp.StaticLossScale(jnp.asarray(128.0)),
+], ids=["dynamic-weak-f32", "dynamic-weak-counter", "dynamic-np", "static-weak-f32"])
+def test_jitted_step_with_an_array_loss_scale_traces_once(make):
+  traces = []
+
+  @jax.jit
+  def step(loss_scale, x):
+    traces.append(None)
+    g = loss_scale.unscale(loss_scale.scale(x))
+    return loss_scale.adjust(mp.all_finite(g)), g
+
+  loss_scale, x = make(), jnp.ones((3,), jnp.float32)
+  for _ in range(3):
+    loss_scale, _ = step(loss_scale, x)
+  assert len(traces) == 1
+  assert not any(leaf.weak_type for leaf in jax.tree.leaves(make()))

@@ -98,7 +98,7 @@ def test_policy_gemm_forward_backward_dtypes():
   assert y.dtype == BF16
   ref = jnp.dot(x.astype(F32), w.astype(BF16).astype(F32)).astype(BF16)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
-  report = mp.audit(jax.grad(
+  report = mp.audit.audit(jax.grad(
       lambda x, w: jnp.sum(ops.dot_general(x, w, (((1,), (0,)), ((), ())), BF16).astype(F32)),
       argnums=(0, 1)), x, w)
   assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 3}

@@ -15,6 +15,16 @@ def test_presets_exist():
   assert list(mp.PRESETS) == PRESET_NAMES
 
 
+def test_presets_are_read_only():
+  with pytest.raises(TypeError):
+    mp.PRESETS["bf16_mixed"] = mp.get_recipe("fp32")
+  with pytest.raises(TypeError):
+    del mp.PRESETS["fp32"]
+  with pytest.raises(AttributeError):
+    mp.PRESETS.clear()
+  assert mp.get_recipe("bf16_mixed").name == "bf16_mixed"
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_json_round_trip(name):
   r = mp.get_recipe(name)

@@ -78,7 +78,7 @@ def test_bf16_every_gemm_forward_and_backward_is_bf16_f32_on_cuda(name):
 def test_bf16_f32_ops_check_and_loss(name):
   b = built(name, "bf16_mixed")
   with b.context():
-    report = mp.audit(jax.grad(lambda p: b.loss(p)[0]), b.params)
+    report = mp.audit.audit(jax.grad(lambda p: b.loss(p)[0]), b.params)
   report.check(MIXED)
   f32_prims = mp._autocast._api.AutocastSpec.make("bf16_mixed").fp32_primitives
   below = [o for o in report.ops if o.primitive in f32_prims and o.dtype != "float32"]

@@ -4,7 +4,7 @@ Examples:
   >>> import precision as mp
   >>> fast_loss = mp.autocast(loss_fn, "p=f32,c=bf16,o=f32")   # same signature
   >>> loss, grads = jax.value_and_grad(fast_loss)(params, batch)
-  >>> print(mp.audit(jax.grad(fast_loss), params, batch))     # what each op computes in
+  >>> print(mp.audit.audit(jax.grad(fast_loss), params, batch))     # what each op computes in
 """
 
 from precision._autocast._api import AutocastSpec

@@ -36,13 +36,36 @@ from precision._autocast import _interpret
 class AutocastSpec:
   """A policy, its overrides and the ops kept in f32: everything autocast applies.
 
-  Frozen and hashable (NNX keeps it in a module's static graph definition).
+  Frozen and hashable (NNX keeps it in a module's static graph definition). `recipe` is
+  the Recipe the spec was made from (None for a bare policy): a model marked with one
+  recipe and traced under another is refused (see precision.flax.apply_recipe).
   """
 
   policy: Policy
   rules: tuple = ()
   fp32_ops: tuple[str, ...] = DEFAULT_FP32_OPS
   recompute_f32: bool = True
+  recipe: Recipe | None = None
+
+  def describe(self) -> str:
+    """One line for error messages: recipe (or policy), overrides, fp32 ops if not default.
+
+    Examples:
+      >>> AutocastSpec.make("bf16_mixed", {"head": "f32"}).describe()
+      "recipe 'bf16_mixed' (p=f32,c=bf16,o=f32), overrides {'head': 'p=f32,c=f32,o=f32'}"
+    """
+    text = (f"recipe {self.recipe.name!r} ({self.policy})" if self.recipe is not None
+            else f"policy {str(self.policy)!r}")
+    if self.rules:
+      shown = ", ".join(f"{_overrides.key_name(r.key)}: {str(r.policy)!r}"
+                        for r in self.rules)
+      text += f", overrides {{{shown}}}"
+    else:
+      text += ", no overrides"
+    if self.fp32_ops != (self.recipe.fp32_ops if self.recipe is not None
+                         else DEFAULT_FP32_OPS):
+      text += f", fp32_ops {list(self.fp32_ops)}"
+    return text
 
   @functools.cached_property
   def fp32_primitives(self) -> frozenset:
@@ -55,8 +78,10 @@ class AutocastSpec:
     """Validates and builds a spec.
 
     Args:
-      policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe or a preset
-        recipe name ("bf16_mixed"): a recipe contributes its policy and fp32_ops.
+      policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe, a preset
+        recipe name ("bf16_mixed") or a Plan (`precision.bind`): a recipe contributes its
+        policy and fp32_ops, a plan its whole spec (overrides included; it takes no
+        further `overrides` or `fp32_ops`).
       overrides: {path pattern or module type: policy} (see precision.autocast).
       fp32_ops: op names kept in f32 (default: the recipe's, else DEFAULT_FP32_OPS).
       recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
@@ -66,17 +91,35 @@ class AutocastSpec:
         scaling: an fp8 recipe); a recipe with fp8 GEMMs passed to plain autocast (their
         scaling state lives in layers: precision.flax.apply_recipe).
     """
+    from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
+    if isinstance(policy, _plan.Plan):
+      plan = _plan.as_plan(policy, overrides, fp32_ops)
+      _refuse_fp8(plan.recipe)
+      return plan.autocast_spec
+    recipe = None
     if isinstance(policy, Recipe) or (isinstance(policy, str) and "=" not in policy
                                       and policy in _recipe_names()):
       recipe = get_recipe(policy)
-      if recipe.fp8 is not None:
-        raise ValueError(
-            f"Recipe {recipe.name!r} has fp8 GEMMs, whose scaling state (amax history, "
-            "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
-            "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
-            "recipe's policy), or autocast(fn, recipe.policy) for the policy alone")
+      _refuse_fp8(recipe)
       policy = recipe.policy
       fp32_ops = recipe.fp32_ops if fp32_ops is None else fp32_ops
+    if isinstance(policy, str) and "=" not in policy:
+      try:
+        get_policy(policy)
+      except ValueError as e:
+        raise ValueError(
+            f"{policy!r} is neither a dtype nor a preset recipe; accepted: a policy string "
+            f"such as 'p=f32,c=bf16,o=f32', a dtype ({e}), or a preset: "
+            f"{', '.join(_recipe_names())}") from e
+    return cls.build(policy, overrides, fp32_ops, module_base=module_base,
+                     recompute_f32=recompute_f32, recipe=recipe)
+
+  @classmethod
+  def build(cls, policy: Policy | str, overrides: Mapping[Any, Any] | None = None,
+            fp32_ops=None, *, module_base: type = object, recompute_f32: bool = True,
+            recipe: Recipe | None = None) -> AutocastSpec:
+    """`make` for a policy (never a recipe name), recording `recipe` as the spec's origin;
+    fp8 recipes are accepted (precision.bind: their fp8 layers come from apply_recipe)."""
     base = get_policy(policy)
     rules = _overrides.parse_overrides(overrides, module_base)
     for where, pol in [("policy", base)] + [(f"override {r.key!r}", r.policy) for r in rules]:
@@ -89,7 +132,16 @@ class AutocastSpec:
     fp32 = _fp32_ops.check_names(DEFAULT_FP32_OPS if fp32_ops is None else fp32_ops)
     if not isinstance(recompute_f32, bool):
       raise ValueError(f"recompute_f32={recompute_f32!r}; accepted: True or False")
-    return cls(base, rules, fp32, recompute_f32)
+    return cls(base, rules, fp32, recompute_f32, recipe)
+
+
+def _refuse_fp8(recipe: Recipe) -> None:
+  if recipe.fp8 is not None:
+    raise ValueError(
+        f"Recipe {recipe.name!r} has fp8 GEMMs, whose scaling state (amax history, "
+        "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
+        "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
+        "recipe's policy), or autocast(fn, recipe.policy) for the policy alone")
 
 
 def _recipe_names():
@@ -100,9 +152,18 @@ def _recipe_names():
 # ----------------------------------------------------------------------------- tracing
 
 
+@dataclasses.dataclass(frozen=True)
+class ActiveTrace:
+  """One autocast tracing now: its spec and the interpreter's scope tables, which module
+  scopes opened inside the trace (precision.flax) fill."""
+  spec: AutocastSpec
+  module_at: dict       # scope -> module (type override keys)
+  module_policy: dict   # scope -> Policy of a module marked on its own
+
+
 class _State(threading.local):
   def __init__(self):
-    self.specs: list[AutocastSpec] = []   # the autocasts tracing now, innermost last
+    self.traces: list[ActiveTrace] = []   # the autocasts tracing now, innermost last
 
 
 _STATE = _State()
@@ -114,23 +175,28 @@ def tracing() -> bool:
   """True while autocast traces a function (code that applies autocast itself, such as
   a module marked by precision.flax.apply_policy, then runs as written: the enclosing
   autocast governs it)."""
-  return bool(_STATE.specs)
+  return bool(_STATE.traces)
 
 
 def active_spec() -> AutocastSpec | None:
   """The spec of the innermost autocast tracing now (None outside any). Code that wraps
   part of a traced function in a custom VJP of its own (ZeRO-3's gathered layers) applies
   it inside, since autocast runs custom_vjp bodies as written."""
-  return _STATE.specs[-1] if _STATE.specs else None
+  return _STATE.traces[-1].spec if _STATE.traces else None
+
+
+def active_trace() -> ActiveTrace | None:
+  """The innermost autocast tracing now (None outside any)."""
+  return _STATE.traces[-1] if _STATE.traces else None
 
 
 @contextlib.contextmanager
-def _tracing_scope(spec: AutocastSpec):
-  _STATE.specs.append(spec)
+def _tracing_scope(spec: AutocastSpec, module_at: dict, module_policy: dict):
+  _STATE.traces.append(ActiveTrace(spec, module_at, module_policy))
   try:
     yield
   finally:
-    _STATE.specs.pop()
+    _STATE.traces.pop()
 
 
 def _is_array(x) -> bool:
@@ -194,8 +260,9 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
     # of a model written for f32 (nnx.Embed returns f32 by default); JAX's default
     # promotes them and the policy then decides. A program valid under strict promotion
     # means the same under standard.
-    with _tracing_scope(spec), jax.numpy_dtype_promotion("standard"), _module_scopes(
-        rebuilt, kinds, module_at, module_policy):
+    with _tracing_scope(spec, module_at, module_policy), \
+        jax.numpy_dtype_promotion("standard"), \
+        _module_scopes(rebuilt, kinds, module_at, module_policy):
       out = fn(*a, **kw)
     new_state = _changed_state(
         node_state, nnx.state(tuple(x for x, k in zip(rebuilt, kinds) if k == "node"))) \
@@ -249,7 +316,7 @@ def _check_overrides(spec: AutocastSpec, env: _interpret.Env) -> None:
   if unmatched:
     scopes = sorted(env.seen_scopes)
     shown = ", ".join(repr(s) for s in scopes[:16]) + (", ..." if len(scopes) > 16 else "")
-    names = ", ".join(repr(k) if isinstance(k, str) else k.__name__ for k in unmatched)
+    names = ", ".join(_overrides.key_name(k) for k in unmatched)
     raise ValueError(
         f"Override(s) {names} matched no scope of the traced program; its scopes are: "
         f"{shown or '(none: the function opens no named scope or module)'}")
@@ -276,7 +343,7 @@ def register_scope_hook(hook: Callable) -> None:
 # ----------------------------------------------------------------------------- public
 
 
-def autocast(fn: Callable, policy: Policy | Recipe | str,
+def autocast(fn: Callable, policy: Any,
              overrides: Mapping[Any, Any] | None = None, *,
              fp32_ops=None) -> Callable:
   """`fn` under a precision policy: a function with the same signature whose GEMMs run
@@ -305,7 +372,9 @@ def autocast(fn: Callable, policy: Policy | Recipe | str,
     fn: any JAX-traceable function. Arguments that are arrays are traced; NNX modules
       are split and their state written back after the call; other arguments (Python
       numbers, strings, flags) are static.
-    policy: Policy, policy string ("p=f32,c=bf16,o=f32"), Recipe or preset name.
+    policy: Policy, policy string ("p=f32,c=bf16,o=f32"), Recipe, preset name, or a
+      Plan (`precision.bind(recipe, overrides=...)`, which then brings the overrides
+      and fp32_ops: pass neither besides).
     overrides: {pattern or module type: policy}: fnmatch patterns on the scope an op was
       traced in ("blocks/0/mlp", "*lm_head*"; NNX module paths and jax.named_scope names);
       the deepest matching scope decides. A pattern that matches no scope raises.

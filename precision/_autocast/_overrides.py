@@ -69,9 +69,14 @@ def check_all_matched(rules: Iterable[Rule], matched: set, paths: list[str]) -> 
   unmatched = [r.key for r in rules if r.key not in matched]
   if unmatched:
     shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
-    names = ", ".join(repr(k) if isinstance(k, str) else k.__name__ for k in unmatched)
+    names = ", ".join(key_name(k) for k in unmatched)
     raise ValueError(
         f"Override pattern(s) {names} matched no module; module paths are: {shown}")
+
+
+def key_name(key: str | type) -> str:
+  """An override key as error messages show it: a pattern quoted, a type by its name."""
+  return repr(key) if isinstance(key, str) else key.__name__
 
 
 def path_str(path: Iterable[Any]) -> str:

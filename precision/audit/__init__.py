@@ -1,7 +1,10 @@
 """precision.audit: the precision map of any JAX function, from its jaxpr.
 
+The package is callable: ``precision.audit(fn, *args)`` is ``precision.audit.audit(fn,
+*args)`` (the form the library's first versions documented).
+
 Examples:
-  >>> report = precision.audit(jax.value_and_grad(loss_fn), params, batch)
+  >>> report = precision.audit.audit(jax.value_and_grad(loss_fn), params, batch)
   >>> print(report)                       # GEMM table + one-screen precision map
   >>> report.check("p=f32,c=bf16,o=f32")  # raises PrecisionViolation listing offenders
 
@@ -12,6 +15,9 @@ a GPU program can be lowered on a CPU-only machine):
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 from precision.audit._lowering import LoweredCustomCall
 from precision.audit._lowering import LoweredGemm
@@ -42,6 +48,16 @@ def audit(fn, *args, **kwargs) -> PrecisionReport:
   return PrecisionReport(name, tuple(w.gemms), tuple(w.ops), tuple(w.converts),
                          dict(w.bytes_by_dtype), w.has_while)
 
+
+class _CallableAudit(types.ModuleType):
+  """The precision.audit package, callable as its `audit` function (``precision.audit.audit(fn,
+  *args)``, the form the library's first versions documented)."""
+
+  def __call__(self, fn, *args, **kwargs) -> PrecisionReport:
+    return audit(fn, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableAudit
 
 __all__ = [
     "ConvertRecord",

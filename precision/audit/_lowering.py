@@ -28,7 +28,8 @@ import ml_dtypes
 import numpy as np
 
 from precision._policy import dtype_name
-from precision._recipe import Recipe, get_recipe
+from precision._plan import Plan, as_plan
+from precision._recipe import Recipe
 from precision.audit._report import PrecisionViolation
 
 _F32 = np.dtype(np.float32)
@@ -275,7 +276,7 @@ def _fp8_dtype(name: str) -> np.dtype:
   return np.dtype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[name])
 
 
-def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str) -> list[str]:
+def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -> list[str]:
   """What in `gemms` (from one lowering) contradicts `recipe`; empty when it follows it.
 
   The rules (the mixed-precision GEMM contract of every preset):
@@ -291,14 +292,17 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str) -> list[
 
   Args:
     gemms: `lowered_gemms(...)` of a program lowered for one platform.
-    recipe: a Recipe or a preset name.
+    recipe: a Recipe, a preset name or a Plan. A lowered program has no module scopes:
+      the compute dtypes of a plan's overrides are accepted at any GEMM.
 
   Returns:
     One line per offending GEMM (signature, shape, name) plus a line per missing fp8
     direction.
   """
-  recipe = get_recipe(recipe)
+  plan = as_plan(recipe)
+  recipe = plan.recipe
   compute, fwd8, bwd8 = _expected(recipe)
+  allowed = {compute} | {np.dtype(p.compute_dtype).name for p in plan.overrides.values()}
   found = []
   n_fp8 = collections.Counter()
   for g in gemms:
@@ -308,7 +312,7 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str) -> list[
       found.append(f"GEMM result {_short(g.out_dtype)} (accumulation below f32 or a result "
                    f"not from an f32 accumulator): {sig}: {where}")
     if not g.is_fp8:
-      if g.lhs_dtype != compute or g.rhs_dtype != compute:
+      if g.lhs_dtype not in allowed or g.rhs_dtype not in allowed:
         found.append(f"GEMM operands {sig}, expected {_short(compute)} x {_short(compute)} "
                      f"(recipe {recipe.name}): {where}")
       continue
@@ -358,11 +362,11 @@ class LoweredProgram:
     return collections.Counter(g.signature() for g in self.gemms
                                if direction in (None, g.direction))
 
-  def violations(self, recipe: Recipe | str) -> list[str]:
+  def violations(self, recipe: Recipe | str | Plan) -> list[str]:
     """`gemm_violations(self.gemms, recipe)`."""
     return gemm_violations(self.gemms, recipe)
 
-  def check(self, recipe: Recipe | str) -> "LoweredProgram":
+  def check(self, recipe: Recipe | str | Plan) -> "LoweredProgram":
     """Raises PrecisionViolation (a ValueError) listing every GEMM that contradicts
     `recipe` (see `gemm_violations`); returns self."""
     found = self.violations(recipe)

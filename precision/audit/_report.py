@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from precision._policy import Policy, dtype_name, get_policy
+from precision._policy import Policy, dtype_name
 from precision.audit._walk import ConvertRecord, GemmRecord, OpRecord
 
 _F32 = np.dtype(np.float32)
@@ -95,11 +95,12 @@ class PrecisionReport:
     return dict(out)
 
   # --------------------------------------------------------------------- check
-  def violations(self, policy: Policy | str,
+  def violations(self, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None) -> list[str]:
     """The list `check` raises with (empty when the function follows the policy)."""
-    policy = get_policy(policy)
-    rules = [(k, get_policy(v)) for k, v in (overrides or {}).items()]
+    from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
+    spec = _plan.spec_for(policy, overrides)
+    policy, rules = spec.policy, [(r.key, r.policy) for r in spec.rules]
     allowed_anywhere = {np.dtype(p.compute_dtype).name for k, p in rules if not isinstance(k, str)}
     found = []
     for g in self.gemms:
@@ -124,13 +125,22 @@ class PrecisionReport:
                      f"at {o.location or '?'} [{o.scope}] {o.op}")
     return found
 
-  def check(self, policy: Policy | str,
+  def check(self, policy: Any,
             overrides: Mapping[Any, Policy | str] | None = None) -> "PrecisionReport":
     """Raises PrecisionViolation (a ValueError) listing every GEMM whose operands are not in
     the policy's compute dtype (outside `overrides`, whose path patterns are matched
     against each GEMM's scope; type keys allow their compute dtype anywhere), every GEMM
     accumulating below f32, and every accumulating reduction (sum, cumsum, scatter-add,
-    psum) below f32. fp8 GEMMs are accepted when they accumulate in f32. Returns self."""
+    psum) below f32. fp8 GEMMs are accepted when they accumulate in f32. Returns self.
+
+    Args:
+      policy: a Policy or policy string; a Recipe or preset name (its policy); or a Plan
+        (`precision.bind`: its policy and overrides, so pass no `overrides` besides).
+      overrides: {path pattern or module type: policy}.
+
+    Examples:
+      >>> precision.audit.audit(grad_fn, model, batch).check(plan)
+    """
     found = self.violations(policy, overrides)
     if found:
       raise PrecisionViolation(found)

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 from flax.core import lift
 
-from precision._policy import Policy, cast_floating, get_policy
+from precision._policy import Policy, cast_floating
 from precision._autocast import _api
 from precision._autocast import _overrides
 
@@ -80,8 +80,10 @@ def _autocast_transform(spec: _api.AutocastSpec, matched: set, seen: set):
       repacked = _cast_params(repacked, spec, matched)
       return cast_floating(y, spec.policy.output_dtype), repacked
 
-    return lift.pack(inner, (True,), (True,), (True,), name="autocast")(scope, *args,
-                                                                          **kwargs)
+    # enable_kwargs: without it lift.pack drops every keyword argument with a warning
+    # (``apply(v, x, train=False)`` would run the module's default, train=True).
+    return lift.pack(inner, (True,), (True,), (True,), name="autocast",
+                     enable_kwargs=True)(scope, *args, **kwargs)
 
   return transform
 
@@ -98,28 +100,38 @@ _TRACE = _Trace()
 
 
 @contextlib.contextmanager
-def linen_policy(policy: Policy | str, overrides: Mapping[Any, Policy | str] | None = None,
+def linen_policy(policy: Any, overrides: Mapping[Any, Policy | str] | None = None,
                  *, fp32_ops=None) -> Iterator[Policy]:
   """Runs Linen `init`/`apply` calls inside the context under a precision Policy.
 
+  Every positional and keyword argument of `init`/`apply` and its `mutable=` / `rngs=`
+  reach the module as in a plain call (``model.apply(v, x, train=False)``).
+
   Args:
-    policy: a Policy or a policy string ("p=f32,c=bf16,o=f32").
+    policy: a Policy or a policy string ("p=f32,c=bf16,o=f32"); a Recipe or preset name
+      ("bf16_mixed": its policy and fp32_ops; fp8 recipes are refused); or a Plan
+      (`precision.bind`: its policy, overrides and fp32_ops).
     overrides: {path pattern or module type: policy}; patterns are fnmatch'ed against the
       "/"-joined path below the root ("block_0/Dense_0", "*head*"); the deepest matching
-      module decides. Type keys match Linen module classes.
-    fp32_ops: op names kept in f32 (default precision.DEFAULT_FP32_OPS).
+      module decides. Type keys match Linen module classes. Not with a Plan.
+    fp32_ops: op names kept in f32 (default: the recipe's, else
+      precision.DEFAULT_FP32_OPS).
+
+  Yields:
+    The Policy in force outside the overrides.
 
   Raises:
-    ValueError: for a bad policy or override on entry; on a clean exit, for an override
-      pattern that matched no module called inside the context.
+    ValueError: for a bad policy, preset name or override on entry; on a clean exit, for
+      an override pattern that matched no module called inside the context.
 
   Examples:
     >>> with linen_policy("p=f32,c=bf16,o=f32"):
     ...   variables = model.init(key, x)
+    ...   logits = model.apply(variables, x, train=False)
+    >>> with linen_policy(precision.bind("bf16_mixed", overrides={"head": "f32"})):
     ...   logits = model.apply(variables, x)
   """
-  spec = _api.AutocastSpec.make(get_policy(policy), overrides, fp32_ops,
-                                module_base=nn.Module)
+  spec = _api.AutocastSpec.make(policy, overrides, fp32_ops, module_base=nn.Module)
   matched: set = set()
   seen: set = set()
   transform = _autocast_transform(spec, matched, seen)

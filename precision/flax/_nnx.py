@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from precision._policy import Policy, cast_floating, get_policy
+from precision._policy import Policy, cast_floating
 from precision._autocast import _api
 from precision._autocast import _overrides
 from precision.flax import _scopes
@@ -58,20 +58,71 @@ def call_under_spec(spec: _api.AutocastSpec, method, module, args, kwargs):
 
 
 def _install_dispatcher(cls: type) -> None:
-  if cls in _DISPATCHED:
-    return
-  original = cls.__call__
+  with _scopes.LOCK:  # a trace in another thread may have wrapped the class just now
+    if cls not in _DISPATCHED:
+      _install_dispatcher_locked(cls)
+
+
+def _install_dispatcher_locked(cls: type) -> None:
+  original = _scopes.unwrapped(cls, "__call__")
 
   @functools.wraps(original)
   def __call__(self, *args, **kwargs):
     spec = getattr(self, _scopes.SPEC_ATTR, None)
-    if spec is None or _api.tracing():
+    if spec is None:
       return original(self, *args, **kwargs)
-    return call_under_spec(spec, original, self, args, kwargs)
+    if not _api.tracing():
+      return call_under_spec(spec, original, self, args, kwargs)
+    return _call_in_trace(spec, original, self, args, kwargs)
 
   __call__.precision_original = original
-  cls.__call__ = __call__
+  if not _scopes.replace_original(cls, "__call__", __call__):
+    cls.__call__ = __call__
   _DISPATCHED.add(cls)
+
+
+def _call_in_trace(spec: _api.AutocastSpec, original, module, args, kwargs):
+  """A marked module called while an autocast traces: the enclosing trace governs.
+
+  A module the trace's module scopes cover below the root (a submodule marked on its
+  own) contributes its policy for its scope (see _scopes). Otherwise - the root of the
+  traced call, or a model the traced function merged or closed over (data_parallel's
+  loss_fn) - its mark must agree with the trace's spec; a model the trace does not cover
+  gets its module scopes here, and its overrides (when the trace brings none) the
+  policies they give its submodules, so GEMMs fall as they do in the model's own calls.
+  """
+  path = _scopes.tracked_path(module)
+  if path:
+    return original(module, *args, **kwargs)
+  trace = _api.active_trace()
+  adopt = _check_agrees(spec, trace.spec)
+  if path is not None:
+    return original(module, *args, **kwargs)
+  policies = {}
+  if adopt:
+    by_path = policy_paths(module, spec)
+    policies = {id(node): by_path[tuple(p)] for p, node in nnx.iter_graph(module)
+                if p and isinstance(node, nnx.Module)}
+  with _scopes.module_scopes([module], trace.module_at, trace.module_policy, policies):
+    # Through the class's (now scope-opening) __call__: this call is back here, covered.
+    return type(module).__call__(module, *args, **kwargs)
+
+
+def _check_agrees(mark: _api.AutocastSpec, active: _api.AutocastSpec) -> bool:
+  """Raises unless a model marked with `mark` may run under the trace of `active`; returns
+  whether the mark's overrides are to be applied (the trace brings none of its own)."""
+  if mark is active or mark == active:
+    return False
+  same = (mark.policy == active.policy and mark.fp32_ops == active.fp32_ops
+          and (mark.recipe is None or active.recipe is None or mark.recipe == active.recipe)
+          and (not active.rules or active.rules == mark.rules))
+  if not same:
+    raise ValueError(
+        f"The model was marked with {mark.describe()} but runs inside a trace of "
+        f"{active.describe()}; accepted: one plan for both, e.g. plan = "
+        "precision.bind(recipe, overrides=...) given to apply_recipe(model, plan) and to "
+        "data_parallel(..., recipe=plan)")
+  return bool(mark.rules) and not active.rules
 
 
 def policy_paths(module: nnx.Module, spec: _api.AutocastSpec) -> dict[tuple, Policy]:
@@ -92,7 +143,7 @@ def policy_paths(module: nnx.Module, spec: _api.AutocastSpec) -> dict[tuple, Pol
   return out
 
 
-def apply_policy(module: nnx.Module, policy: Policy | str,
+def apply_policy(module: nnx.Module, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None, *,
                  fp32_ops=None) -> nnx.Module:
   """Applies a precision Policy to an NNX model in place and returns it.
@@ -107,7 +158,9 @@ def apply_policy(module: nnx.Module, policy: Policy | str,
 
   Args:
     module: the NNX model (modified in place).
-    policy: a Policy or a policy string ("p=f32,c=bf16,o=f32").
+    policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe or preset name
+      (its policy and fp32_ops; an fp8 recipe is refused: its fp8 layers come from
+      `apply_recipe`), or a Plan (`precision.bind`: its policy, overrides and fp32_ops).
     overrides: {path pattern or module type: Policy or string}; patterns are fnmatch'ed
       against "/"-joined module paths ("blocks/0/mlp/up"); the deepest module a rule
       matches decides, submodules inherit. E.g. {"*lm_head*": "f32"}.
@@ -115,8 +168,9 @@ def apply_policy(module: nnx.Module, policy: Policy | str,
   Returns:
     `module`.
   Raises:
-    ValueError: for a bad policy string, a bad override key or policy, a pattern that
-      matches no module path, or an fp8 compute dtype (use an fp8 recipe).
+    ValueError: for a bad policy string or preset name, a bad override key or policy, a
+      pattern that matches no module path, an fp8 compute dtype or an fp8 recipe (use
+      `apply_recipe`).
 
   Examples:
     >>> model = apply_policy(model, "p=f32,c=bf16,o=f32", {"*lm_head*": "f32"})
@@ -124,7 +178,7 @@ def apply_policy(module: nnx.Module, policy: Policy | str,
   """
   if not isinstance(module, nnx.Module):
     raise ValueError(f"apply_policy expects an nnx.Module, got {type(module).__name__}")
-  spec = _api.AutocastSpec.make(get_policy(policy), overrides, fp32_ops, module_base=nnx.Module)
+  spec = _api.AutocastSpec.make(policy, overrides, fp32_ops, module_base=nnx.Module)
   return mark(module, spec)
 
 
@@ -142,6 +196,24 @@ def mark(module: nnx.Module, spec: _api.AutocastSpec) -> nnx.Module:
   return module
 
 
-def policy_of(module: nnx.Module) -> _api.AutocastSpec | None:
-  """The autocast spec `apply_policy`/`apply_recipe` marked `module` with, or None."""
+def spec_of(module: nnx.Module) -> _api.AutocastSpec | None:
+  """The autocast spec `apply_policy`/`apply_recipe` marked `module` with (policy,
+  overrides, fp32 ops, the recipe it came from), or None.
+
+  Examples:
+    >>> spec_of(apply_recipe(model, "bf16_mixed")).recipe.name
+    'bf16_mixed'
+  """
   return getattr(module, _scopes.SPEC_ATTR, None)
+
+
+def policy_of(module: nnx.Module) -> Policy | None:
+  """The Policy `apply_policy`/`apply_recipe` marked `module` with (outside its
+  overrides), or None; `spec_of` gives the whole spec.
+
+  Examples:
+    >>> str(policy_of(apply_policy(model, "bf16_mixed")))
+    'p=f32,c=bf16,o=f32'
+  """
+  spec = spec_of(module)
+  return None if spec is None else spec.policy

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision._plan import Plan
 from precision._recipe import Recipe
-from precision._recipe import get_recipe
+from precision._plan import recipe_of
 from precision.optim import _direct
 from precision.optim import _guard
 from precision.optim import _kahan
@@ -22,8 +23,8 @@ from precision.optim import _query
 _F32 = np.dtype(np.float32)
 
 
-def build_optimizer(recipe: Recipe | str, inner: optax.GradientTransformation, *,
-                    seed: int = 0, axis_name: str | None = None
+def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransformation,
+                    *, seed: int = 0, axis_name: str | None = None
                     ) -> optax.GradientTransformation:
   """The optimizer of `recipe` wrapped around `inner` (any optax optimizer).
 
@@ -39,7 +40,8 @@ def build_optimizer(recipe: Recipe | str, inner: optax.GradientTransformation, *
   On the fp32 recipe the result is bit-identical to `inner` on finite grads.
 
   Args:
-    recipe: a Recipe or preset name.
+    recipe: a Recipe, a preset name or a Plan (`precision.bind`; `plan.optimizer(inner)`
+      is the same call).
     inner: e.g. ``optax.adamw(3e-4)``.
     seed: seed of stochastic rounding.
     axis_name: set when `update` runs inside shard_map/pmap on shards of the grads
@@ -61,7 +63,7 @@ def build_optimizer(recipe: Recipe | str, inner: optax.GradientTransformation, *
     >>> tx = build_optimizer("bf16_master", optax.adamw(3e-4))
     >>> opt_state = tx.init(params)
   """
-  recipe = get_recipe(recipe)
+  recipe = recipe_of(recipe)
   tx = inner
   if recipe.mu_dtype != _F32 or recipe.nu_dtype != _F32:
     tx = _moments.moment_dtypes(tx, recipe.mu_dtype, recipe.nu_dtype)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from precision._plan import Plan
 from precision._recipe import Recipe
-from precision._recipe import get_recipe
+from precision._plan import recipe_of
 
 # Moments each inner optimizer keeps per param: which of mu / nu.
 INNER_MOMENTS = {
@@ -14,14 +15,14 @@ INNER_MOMENTS = {
 }
 
 
-def memory_ledger(recipe: Recipe | str, inner: str = "adamw") -> dict[str, float]:
+def memory_ledger(recipe: Recipe | str | Plan, inner: str = "adamw") -> dict[str, float]:
   """Bytes per parameter of each persistent tensor of a training step with `recipe`.
 
   Keys: params, grads (in the param dtype, as jax.grad returns them), master (0 without),
   compensation (Kahan buffer, param dtype), mu, nu (their recipe dtypes; 0 when `inner`
   keeps none). Per-tensor scalars (counts, loss scale) are O(1) and left out.
   """
-  recipe = get_recipe(recipe)
+  recipe = recipe_of(recipe)
   if inner not in INNER_MOMENTS:
     raise ValueError(f"inner={inner!r}; accepted: {', '.join(INNER_MOMENTS)}")
   p = np.dtype(recipe.policy.param_dtype).itemsize
@@ -37,7 +38,7 @@ def memory_ledger(recipe: Recipe | str, inner: str = "adamw") -> dict[str, float
   }
 
 
-def bytes_per_param(recipe: Recipe | str, inner: str = "adamw") -> float:
+def bytes_per_param(recipe: Recipe | str | Plan, inner: str = "adamw") -> float:
   """Persistent bytes per parameter: params + grads + master + Kahan buffer + moments.
 
   bf16 params and grads + f32 master + two f32 Adam moments = 2 + 2 + 4 + 8 = 16 (the ZeRO

@@ -94,6 +94,13 @@ def _is_concrete(x: Any) -> bool:
   return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
+def _strong(value: Any) -> jax.Array:
+  """`value` as an array of its own dtype, never weakly typed. `jnp.asarray(2.0 ** 15)`
+  is a weak f32; `adjust` returns strong arrays, so a jitted step taking the scale would
+  see another input type on its second call and trace again."""
+  return jax.lax.convert_element_type(value, np.dtype(value.dtype))
+
+
 def _scale_array(value: Any, where: str) -> jax.Array:
   """Validates a user-given scale: a Python number (-> f32) or a floating scalar array
   (dtype kept); finite and > 0 whenever its value is known."""
@@ -110,7 +117,7 @@ def _scale_array(value: Any, where: str) -> jax.Array:
                        "floating dtype (f16, bf16, f32) or a Python number")
     if np.shape(value) != ():
       raise ValueError(f"{where} has shape {np.shape(value)}; accepted: a scalar")
-    arr = value if isinstance(value, jax.core.Tracer) else jnp.asarray(value)
+    arr = _strong(value)
   if _is_concrete(arr):
     v = float(np.asarray(arr, np.float64))
     if not (np.isfinite(v) and v > 0):
@@ -129,7 +136,7 @@ def _counter_array(value: Any, where: str) -> jax.Array:
     if not jnp.issubdtype(value.dtype, jnp.integer) or np.shape(value) != ():
       raise ValueError(f"{where} has dtype {np.dtype(value.dtype).name} and shape "
                        f"{np.shape(value)}; accepted: an integer scalar")
-    arr = value if isinstance(value, jax.core.Tracer) else jnp.asarray(value)
+    arr = _strong(value)
   if _is_concrete(arr) and int(np.asarray(arr)) < 0:
     raise ValueError(f"{where}={int(np.asarray(arr))}; must be >= 0")
   return arr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from precision._recipe import Recipe, get_recipe
+from precision._plan import Plan, as_plan
+from precision._recipe import Recipe
 from precision._state import TrainState
 from precision.parallel import _full_state
 from precision.parallel import _report
@@ -22,18 +23,19 @@ from precision.parallel._step import (
     with_standard_promotion)
 
 
-def recipe_hooks(recipe: Recipe | str, inner: optax.GradientTransformation, *, seed: int,
+def recipe_hooks(plan: Plan, inner: optax.GradientTransformation, *, seed: int,
                  axis_name: str | None) -> tuple[optax.GradientTransformation, OptimizerHooks]:
-  """The optimizer a Recipe builds around `inner` (precision.optim) and its step hooks."""
+  """The optimizer a plan builds around `inner` (precision.optim) and its step hooks."""
   from precision import optim  # pylint: disable=g-import-not-at-top  (optional layer)
 
-  tx = optim.build_optimizer(get_recipe(recipe), inner, seed=seed, axis_name=axis_name)
+  tx = plan.optimizer(inner, seed=seed, axis_name=axis_name)
   return tx, OptimizerHooks(optim.loss_scale_of, optim.apply_updates,
                             optim.optimizer_metrics)
 
 
-def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices: int,
-                seed: int, gather: str = "step", fp8_state: bool = False) -> StepConfig:
+def step_config(loss_fn, tx, *, zero_stage: int, plan: Plan | None, axis_name: str,
+                devices: int, seed: int, gather: str = "step",
+                fp8_state: bool = False) -> StepConfig:
   """Validates the arguments shared by `data_parallel` and `data_parallel_pmap`."""
   if zero_stage not in ZERO_STAGES:
     raise ValueError(f"zero_stage={zero_stage!r}; accepted: 0, 1, 2, 3")
@@ -49,20 +51,19 @@ def step_config(loss_fn, tx, *, zero_stage: int, recipe, axis_name: str, devices
   if not isinstance(tx, optax.GradientTransformation):
     raise ValueError(f"tx={tx!r}; accepted: an optax.GradientTransformation")
   spec = None
-  if recipe is None:
+  if plan is None:
     tx = with_standard_promotion(tx)
     hooks, compute_dtype, reduce_dtype = plain_optax_hooks(), None, None
   else:
-    from precision._autocast import _api  # pylint: disable=g-import-not-at-top
-    recipe = get_recipe(recipe)
-    # The policy and fp32 ops only: an fp8 recipe's GEMM state lives in the model's layers.
-    spec = _api.AutocastSpec.make(recipe.policy, fp32_ops=recipe.fp32_ops)
+    # The plan's spec: policy, overrides, fp32 ops (an fp8 recipe's GEMM state lives in
+    # the model's layers). A model marked with the same plan or recipe runs its GEMMs as
+    # in its own calls; one marked with another is refused when loss_fn calls it.
+    spec = plan.autocast_spec
     # Stage 0 updates full, already reduced grads: every rank sees the same values, so no
     # cross-rank reduction in the optimizer. Stages 1-3 update shards: the finite check
     # and grad norm must be reduced over the axis so every rank decides alike.
-    tx, hooks = recipe_hooks(recipe, tx, seed=seed,
-                             axis_name=axis_name if zero_stage else None)
-    compute_dtype, reduce_dtype = recipe.policy.compute_dtype, recipe.reduce_dtype
+    tx, hooks = recipe_hooks(plan, tx, seed=seed, axis_name=axis_name if zero_stage else None)
+    compute_dtype, reduce_dtype = plan.compute_dtype, plan.reduce_dtype
   return StepConfig(loss_fn=loss_fn, tx=tx, hooks=hooks, zero_stage=zero_stage,
                     axis_name=axis_name, devices=devices, compute_dtype=compute_dtype,
                     reduce_dtype=reduce_dtype, gather=gather, fp8_state=fp8_state,
@@ -314,7 +315,9 @@ class DataParallel:
 
 
 def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
-                  mesh: Mesh, *, zero_stage: int = 0, recipe: Recipe | str | None = None,
+                  mesh: Mesh, *, zero_stage: int = 0,
+                  recipe: Plan | Recipe | str | None = None,
+                  overrides: Mapping[Any, Any] | None = None,
                   axis_name: str = "data", seed: int = 0, donate: bool = True,
                   gather: str = "step", fp8_state: bool = False) -> DataParallel:
   """Data-parallel training with ZeRO stage 0-3 on `mesh`'s `axis_name` axis (shard_map).
@@ -339,19 +342,25 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   Args:
     loss_fn: `loss_fn(params, local_batch) -> scalar` mean loss over the device's slice of
       the batch, written with no dtype in mind: with a recipe it runs under
-      `precision.autocast(loss_fn, recipe.policy)` (every GEMM compute x compute -> f32,
-      forward and backward; the recipe's fp32 ops in f32) and receives params in the
-      recipe's PARAM dtype (stage 3: gathered in the compute dtype), so gradients come
-      back in the param dtype at its accuracy. The result is cast to f32.
+      `precision.autocast(loss_fn, plan)` (every GEMM compute x compute -> f32, forward
+      and backward, outside the plan's overrides; the recipe's fp32 ops in f32) and
+      receives params in the recipe's PARAM dtype (stage 3: gathered in the compute
+      dtype), so gradients come back in the param dtype at its accuracy. The result is
+      cast to f32. An NNX model loss_fn merges and calls keeps the mark of
+      `precision.flax.apply_recipe`: its module paths are scopes that overrides match,
+      its own overrides apply when the plan here has none, and a model marked with
+      another recipe, policy or overrides is refused (ValueError naming both).
     tx: the inner optax optimizer. With a recipe it is wrapped by
       `precision.optim.build_optimizer` (master weights, loss scaling, skipping, moment
       dtypes). Without one it runs as given and must be elementwise for stages 1-3 (adam,
       adamw, sgd): a global-norm transform would see only a shard.
     mesh: a Mesh with an axis named `axis_name`; other axes replicate.
     zero_stage: 0, 1, 2 or 3.
-    recipe: a Recipe or preset name; sets the param dtype (init casts), the compute dtype,
-      and `reduce_dtype`, the dtype grads are summed in across devices. None: f32-style
-      training in each leaf's own dtype.
+    recipe: a Plan (`precision.bind`), a Recipe or a preset name; sets the param dtype
+      (init casts), the compute dtype, the overrides, and `reduce_dtype`, the dtype grads
+      are summed in across devices. None: f32-style training in each leaf's own dtype.
+    overrides: {path pattern or module type: policy} bound with `recipe` (not with a
+      Plan, which has its own; not without a recipe).
     axis_name: the data axis.
     seed: the optimizer's stochastic-rounding seed (identical on every rank).
     donate: donate the state to the step.
@@ -383,8 +392,20 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; accepted: "
                      f"{', '.join(map(str, mesh.axis_names))}")
-  cfg = step_config(loss_fn, tx, zero_stage=zero_stage, recipe=recipe, axis_name=axis_name,
+  plan = plan_of(recipe, overrides)
+  cfg = step_config(loss_fn, tx, zero_stage=zero_stage, plan=plan, axis_name=axis_name,
                     devices=int(mesh.shape[axis_name]), seed=seed, gather=gather,
                     fp8_state=fp8_state)
-  param_dtype = None if recipe is None else get_recipe(recipe).policy.param_dtype
+  param_dtype = None if plan is None else plan.param_dtype
   return DataParallel(cfg, mesh, param_dtype=param_dtype, donate=donate)
+
+
+def plan_of(recipe: Plan | Recipe | str | None,
+            overrides: Mapping[Any, Any] | None) -> Plan | None:
+  """The step's plan (None without a recipe), bound here once."""
+  if recipe is None:
+    if overrides is not None:
+      raise ValueError(f"overrides={overrides!r} without a recipe; accepted: a recipe (or "
+                       "a Plan from precision.bind) to bind them with")
+    return None
+  return as_plan(recipe, overrides)

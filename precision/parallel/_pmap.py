@@ -13,9 +13,10 @@ import jax
 import numpy as np
 import optax
 
-from precision._recipe import Recipe, get_recipe
+from precision._plan import Plan
+from precision._recipe import Recipe
 from precision._state import TrainState
-from precision.parallel._data_parallel import step_config
+from precision.parallel._data_parallel import plan_of, step_config
 from precision.parallel._layout import ParamLayout
 from precision.parallel._step import local_init, local_step
 
@@ -84,7 +85,7 @@ def _drop_fp8_state(out):
 
 def data_parallel_pmap(loss_fn: Callable[[Any, Any], jax.Array],
                        tx: optax.GradientTransformation, *, zero_stage: int = 0,
-                       recipe: Recipe | str | None = None, axis_name: str = "data",
+                       recipe: Plan | Recipe | str | None = None, axis_name: str = "data",
                        devices: Sequence[jax.Device] | None = None, seed: int = 0,
                        donate: bool = True) -> PmapDataParallel:
   """`data_parallel` for codebases written with `jax.pmap` (stages 0 and 1 only).
@@ -96,7 +97,8 @@ def data_parallel_pmap(loss_fn: Callable[[Any, Any], jax.Array],
     raise ValueError(f"zero_stage={zero_stage!r} under pmap; accepted: 0, 1 (use "
                      "data_parallel on a Mesh for stages 2 and 3)")
   devices = list(devices) if devices is not None else jax.local_devices()
-  cfg = step_config(loss_fn, tx, zero_stage=zero_stage, recipe=recipe, axis_name=axis_name,
+  plan = plan_of(recipe, None)
+  cfg = step_config(loss_fn, tx, zero_stage=zero_stage, plan=plan, axis_name=axis_name,
                     devices=len(devices), seed=seed)
-  param_dtype = None if recipe is None else get_recipe(recipe).policy.param_dtype
+  param_dtype = None if plan is None else plan.param_dtype
   return PmapDataParallel(cfg, devices, param_dtype=param_dtype, donate=donate)

@@ -116,8 +116,11 @@ def _policy_loss_fn(cfg: StepConfig):
   if cfg.autocast is None:
     return cfg.loss_fn
   from precision._autocast import _api  # pylint: disable=g-import-not-at-top
+  # An override that matches no scope raises, as under autocast; except with layers
+  # gathered one by one, whose GEMMs the custom VJPs of _fsdp trace apart.
+  check = cfg.gather != "layer"
   return lambda *args: _api.run(cfg.autocast, cfg.loss_fn, args, {},
-                                check_overrides=False).outputs_in_traced_dtypes()
+                                check_overrides=check).outputs_in_traced_dtypes()
 
 
 def _scaled_loss(cfg: StepConfig, scale: jax.Array, batch):
