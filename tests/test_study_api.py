@@ -176,3 +176,29 @@ def test_bad_input_is_a_value_error_naming_it(reference, tmp_path):
     study.load_task("no_colon")
   with pytest.raises(ValueError, match="Task.optimizer"):
     study.Task(init=len, loss=len, batches=len, optimizer="adam")
+
+
+def test_overrides_reach_every_gemm_of_the_cell_and_the_identity(tmp_path):
+  # One bound plan per cell: an override given to the study is what the trained model's
+  # GEMMs run in (audited on the cell's own program), and part of the study's identity.
+  from flax import nnx
+  from precision.audit import audit
+  from precision.study import _models
+  import precision as mp
+  nnx_task = task("nnx_mlp.py:task")
+  prog = _models.build(nnx_task, mp.get_recipe("bf16_mixed"), 0, overrides={"out": "f32"})
+  model = nnx.merge(prog.graphdef, prog.state.params, prog.state.model_state)
+  batch = next(iter(nnx_task.batches(0)))
+  with user_code():
+    gemms = audit(nnx.grad(nnx_task.loss), model, batch).gemms
+  by_scope = {(g.scope, g.direction): (g.lhs_dtype, g.rhs_dtype) for g in gemms}
+  assert by_scope[("out", "fwd")] == ("float32", "float32")
+  assert by_scope[("fc2", "fwd")] == ("bfloat16", "bfloat16")
+  assert by_scope[("out", "bwd")] == ("float32", "float32")
+  out = tmp_path / "ov"
+  _run(out, recipes=["fp32", "bf16_mixed"], steps=2, eval_every=0,
+       overrides={"*w2*": "f32"})
+  ident = json.load(open(out / "study.json"))["identity"]
+  assert ident["overrides"] == [["*w2*", "p=f32,c=f32,o=f32"]]
+  with pytest.raises(ValueError, match="another configuration.*overrides"):
+    _run(out, recipes=["fp32", "bf16_mixed"], steps=2, eval_every=0)

@@ -64,6 +64,7 @@ class CellSettings(NamedTuple):
   save_every: int
   max_nonfinite: int
   fp8_keeps: tuple[str, ...]
+  overrides: tuple[tuple[str, str], ...] = ()
 
 
 def safe_name(name: str) -> str:
@@ -177,7 +178,8 @@ def _attempt(folder: str, event: str, step: int) -> None:
 
 def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
            on_step: Callable[[int], None] | None) -> dict:
-  prog = _models.build(task, cell.recipe, cell.seed, settings.fp8_keeps)
+  prog = _models.build(task, cell.recipe, cell.seed, settings.fp8_keeps,
+                       dict(settings.overrides))
   steps_path = os.path.join(folder, "steps.jsonl")
   ckpt = ckpt_lib.Checkpointer(os.path.join(folder, "ckpt"), keep=2)
   try:

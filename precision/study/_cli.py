@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--test", default="t", help="t (paired t, default) or sign_flip")
   ap.add_argument("--aa", action="store_true", help="add the A/A arm (control vs itself)")
   ap.add_argument("--control", default="fp32")
+  ap.add_argument("--override", action="append", default=[], metavar="PATTERN=POLICY",
+                  help="bind every recipe with this override (repeatable), e.g. "
+                  "'*head*=p=f32,c=f32,o=f32' or '*head*=f32'")
   ap.add_argument("--growth-interval", default="recipe",
                   help="dynamic loss-scale growth interval: recipe, auto or steps")
   ap.add_argument("--timing-rounds", type=int, default=5,
@@ -57,6 +60,12 @@ def main(argv=None) -> int:
     mp.enable_faithful_rounding()  # before the task's module can start JAX's backend
   from precision import study  # pylint: disable=g-import-not-at-top
   try:
+    overrides = {}
+    for item in args.override:
+      if "=" not in item:
+        raise ValueError(f"--override {item!r}; accepted: PATTERN=POLICY, e.g. '*head*=f32'")
+      pattern, policy = item.split("=", 1)
+      overrides[pattern] = policy
     task = study.load_task(args.task)
     if args.report_only:
       if args.shard:
@@ -70,7 +79,8 @@ def main(argv=None) -> int:
           save_every=args.save_every, shard=args.shard, margin=args.margin,
           target=args.target, alpha=args.alpha, test=args.test, aa=args.aa,
           control=args.control, growth_interval=args.growth_interval,
-          timing_rounds=args.timing_rounds, progress=not args.no_progress)
+          timing_rounds=args.timing_rounds, progress=not args.no_progress,
+          overrides=overrides or None)
   except ValueError as e:
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2

@@ -36,6 +36,7 @@ from precision import _autocast
 from precision import flax as mp_flax
 from precision import fp8 as mp_fp8
 from precision import optim
+from precision._plan import Plan, bind
 from precision._recipe import Recipe
 from precision._state import TrainState
 from precision._train import train_step, value_and_grad
@@ -94,7 +95,7 @@ class LinenModel:
 
   def __init__(self, module: nn.Module, params: Any, state: Mapping[str, Any],
                rng: jax.Array | None, training: bool, streams: tuple[str, ...] = ("dropout",),
-               recipe: Recipe | None = None):
+               recipe: Recipe | Plan | None = None):
     self.module, self.params, self.state = module, params, dict(state)
     self.training = training
     self._rng, self._streams, self._calls, self._recipe = rng, streams, 0, recipe
@@ -136,6 +137,8 @@ class Program:
       nonfinite_steps, consecutive_nonfinite, fp8_saturated.
     evaluate: ``evaluate(state) -> float``.
     n_params: trainable parameter count.
+    graphdef: the NNX model's graph (marked with the plan): ``nnx.merge(graphdef,
+      state.params, state.model_state)`` is the model as trained; None for other kinds.
   """
 
   kind: str
@@ -144,6 +147,7 @@ class Program:
   step: Callable[..., Any]
   evaluate: Callable[[TrainState], float]
   n_params: int
+  graphdef: Any = None
 
 
 def _fnmatch_literal(path: str) -> str:
@@ -201,21 +205,29 @@ def _mean(values: list[float]) -> float:
   return float(np.mean(np.asarray(values, np.float64)))
 
 
-def build(task: Task, recipe: Recipe, seed: int, fp8_keeps: tuple[str, ...] = ()
-          ) -> Program:
-  """The Program of `task` under `recipe` for `seed` (calls ``task.init(seed)``)."""
+def build(task: Task, recipe: Recipe, seed: int, fp8_keeps: tuple[str, ...] = (),
+          overrides: Mapping[str, str] | None = None) -> Program:
+  """The Program of `task` under `recipe` for `seed` (calls ``task.init(seed)``).
+
+  The recipe is bound once (`precision.bind`, with the study's `overrides`): the model's
+  marking or autocast, the optimizer and the ledger all come from that one Plan.
+  """
   model = task.init(seed)
   kind = model_kind(model)
-  tx = optim.build_optimizer(recipe, task.optimizer, seed=seed)
+  if kind == "nnx":
+    recipe = with_fp8_keeps(recipe, fp8_keeps)
+  plan = bind(recipe, overrides=dict(overrides) if overrides else None)
+  tx = optim.build_optimizer(plan, task.optimizer, seed=seed)
   held_out = None if task.evaluate is not None else task.held_out()
   if kind == "nnx":
-    return _build_nnx(task, with_fp8_keeps(recipe, fp8_keeps), seed, model, tx, held_out)
-  return _build_functional(task, recipe, seed, kind, model, tx, held_out)
+    return _build_nnx(task, plan, seed, model, tx, held_out)
+  return _build_functional(task, plan, seed, kind, model, tx, held_out)
 
 
-def _build_nnx(task, recipe, seed, model, tx, held_out) -> Program:
+def _build_nnx(task, plan: Plan, seed, model, tx, held_out) -> Program:
   _check_f32("NNX", nnx.state(model, nnx.Param))
-  mp_flax.apply_recipe(model, recipe)
+  recipe = plan.recipe
+  mp_flax.apply_recipe(model, plan)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   has_fp8 = bool(mp_fp8.fp8_modules(model))
   state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(rest),
@@ -242,10 +254,12 @@ def _build_nnx(task, recipe, seed, model, tx, held_out) -> Program:
   else:
     evaluate = lambda s: float(task.evaluate(nnx.merge(graphdef, s.params, s.model_state)))
   n = int(sum(x.size for x in jax.tree.leaves(params)))
-  return Program("nnx", recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n)
+  return Program("nnx", recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n,
+                 graphdef)
 
 
-def _build_functional(task, recipe, seed, kind, model, tx, held_out) -> Program:
+def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Program:
+  recipe = plan.recipe
   if kind == "linen":
     module, variables = model
     variables = unfreeze(variables)
@@ -264,7 +278,7 @@ def _build_functional(task, recipe, seed, kind, model, tx, held_out) -> Program:
     loss = task.loss(m, batch)
     return loss, m.state
 
-  loss_under_recipe = _autocast.autocast(loss_of, recipe)
+  loss_under_recipe = _autocast.autocast(loss_of, plan)
 
   def step(state: TrainState, batch: Any, t: jax.Array):
     # Common random numbers: the key of step t depends on the seed and t only.
@@ -284,7 +298,7 @@ def _build_functional(task, recipe, seed, kind, model, tx, held_out) -> Program:
       m = LinenModel(module, params, model_state, None, training=False, streams=streams)
       return jnp.asarray(task.loss(m, batch), _F32)
 
-    eval_jit = jax.jit(_autocast.autocast(eval_loss, recipe))
+    eval_jit = jax.jit(_autocast.autocast(eval_loss, plan))
     evaluate = lambda s: _mean([float(eval_jit(s.params, s.model_state, b))
                                 for b in held_out])
   elif module is None:
@@ -292,7 +306,7 @@ def _build_functional(task, recipe, seed, kind, model, tx, held_out) -> Program:
   else:
     evaluate = lambda s: float(task.evaluate(LinenModel(
         module, s.params, s.model_state, None, training=False, streams=streams,
-        recipe=recipe)))
+        recipe=plan)))
   state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(model_state),
                      _rng_data(seed))
   n = int(sum(x.size for x in jax.tree.leaves(params)))

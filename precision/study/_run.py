@@ -29,13 +29,15 @@ import os
 import re
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from precision import optim
+from precision._plan import bind
+from precision._policy import get_policy
 from precision._recipe import PRESETS, Recipe, get_recipe
 from precision.study import _cells
 from precision.study import _models
@@ -65,6 +67,8 @@ class StudyConfig:
       back-off both happen in a short run) or an int: the dynamic loss scale's growth
       interval in this study.
     max_nonfinite: a cell stops as diverged after this many consecutive non-finite steps.
+    overrides: (scope pattern, policy string) pairs every recipe is bound with
+      (`precision.bind(recipe, overrides=...)`), e.g. (("*head*", "p=f32,c=f32,o=f32"),).
   """
 
   recipes: tuple[Recipe, ...]
@@ -76,6 +80,7 @@ class StudyConfig:
   aa: bool
   growth_interval: str | int
   max_nonfinite: int
+  overrides: tuple[tuple[str, str], ...] = ()
 
   def arms(self) -> list[tuple[str, Recipe, int]]:
     """(arm name, recipe, seed offset) of every row: the control first, A/A last."""
@@ -109,8 +114,8 @@ def _with_growth(recipe: Recipe, growth: int | None) -> Recipe:
 def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *,
                 eval_every: int | None = None, save_every: int | None = None,
                 control: str = "fp32", aa: bool = False,
-                growth_interval: str | int = "recipe", max_nonfinite: int = 50
-                ) -> StudyConfig:
+                growth_interval: str | int = "recipe", max_nonfinite: int = 50,
+                overrides: Mapping[str, Any] | None = None) -> StudyConfig:
   """A validated StudyConfig (ValueError naming any bad value and what is accepted)."""
   if isinstance(recipes, str):
     recipes = [r.strip() for r in recipes.split(",") if r.strip()]
@@ -149,8 +154,16 @@ def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *
     raise ValueError(f"growth_interval={growth_interval!r}; accepted: 'recipe', 'auto' or "
                      "an integer >= 1 (steps)")
   control_first = sorted(resolved, key=lambda r: r.name != control)
+  pairs = ()
+  if overrides:
+    if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
+      raise ValueError(f"overrides={overrides!r}; accepted: a dict of scope patterns "
+                       "(strings) to policies")
+    pairs = tuple(sorted((k, str(get_policy(v))) for k, v in overrides.items()))
+    for r in control_first:
+      bind(r, overrides=dict(pairs))  # a bad pattern or policy fails here, before any cell
   return StudyConfig(tuple(_with_growth(r, growth) for r in control_first), seeds, steps,
-                     eval_every, save_every, control, aa, g, max_nonfinite)
+                     eval_every, save_every, control, aa, g, max_nonfinite, pairs)
 
 
 def parse_shard(text: str | Sequence[int] | None) -> tuple[int, int]:
@@ -228,7 +241,8 @@ def identity(cfg: StudyConfig, task: Task, digest: str) -> dict:
   return {"format": FORMAT, "task": task.name, "task_digest": digest,
           "recipes": [r.to_dict() for r in cfg.recipes], "control": cfg.control,
           "seeds": cfg.seeds, "steps": cfg.steps, "eval_every": cfg.eval_every,
-          "aa": cfg.aa, "max_nonfinite": cfg.max_nonfinite}
+          "aa": cfg.aa, "max_nonfinite": cfg.max_nonfinite,
+          "overrides": [list(p) for p in cfg.overrides]}
 
 
 def _check_out(out: str, ident: dict, extra: dict) -> None:
@@ -269,7 +283,8 @@ def config_from_study(study: dict) -> StudyConfig:
   recipes = tuple(Recipe.from_dict(d) for d in ident["recipes"])
   return StudyConfig(recipes, ident["seeds"], ident["steps"], ident["eval_every"],
                      extra["save_every"], ident["control"], ident["aa"],
-                     extra["growth_interval"], ident["max_nonfinite"])
+                     extra["growth_interval"], ident["max_nonfinite"],
+                     tuple(tuple(p) for p in ident.get("overrides", ())))
 
 
 class _Compile_cache:
@@ -307,8 +322,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         shard: str | Sequence[int] | None = None, margin: float | None = None,
         target: float | None = None, alpha: float = _stats.ALPHA, test: str = "t",
         aa: bool = False, control: str = "fp32", growth_interval: str | int = "recipe",
-        max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True
-        ) -> _report.StudyResult | None:
+        max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
+        overrides: Mapping[str, Any] | None = None) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -333,6 +348,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     max_nonfinite: consecutive non-finite steps after which a cell is "diverged".
     timing_rounds: rounds of interleaved step timing for the cost columns (0: none).
     progress: a tqdm bar over the slice's steps on stderr.
+    overrides: {scope pattern: policy} every recipe is bound with (e.g. a head kept in
+      f32: {"*head*": "f32"}); part of the study's identity.
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -346,13 +363,13 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
   cfg = make_config(recipes, seeds, steps, eval_every=eval_every, save_every=save_every,
                     control=control, aa=aa, growth_interval=growth_interval,
-                    max_nonfinite=max_nonfinite)
+                    max_nonfinite=max_nonfinite, overrides=overrides)
   k, n = parse_shard(shard)
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   _int("timing_rounds", timing_rounds, 0)
   pre = _Preflight(task, cfg)
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
-                                 cfg.max_nonfinite, pre.fp8_keeps)
+                                 cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides)
   _check_out(out, identity(cfg, task, pre.digest), {
       "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
       "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps)})
@@ -391,7 +408,8 @@ def report_only(out: str, *, margin: float | None = None, target: float | None =
                      "not finished; run their slices (--shard K/N), then --report-only")
   if task is not None:
     settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
-                                   cfg.max_nonfinite, tuple(study.get("fp8_kept_by_role", ())))
+                                   cfg.max_nonfinite, tuple(study.get("fp8_kept_by_role", ())),
+                                   cfg.overrides)
     with _Compile_cache(out):
       _measure_costs(task, cfg, settings, out, timing_rounds)
   return _report.write(out, cfg, judge, task_name=study["identity"]["task"])
@@ -411,7 +429,7 @@ def _measure_costs(task: Task, cfg: StudyConfig, settings: _cells.CellSettings, 
     if recipe.name in progs:
       continue
     try:
-      prog = _models.build(task, recipe, 0, settings.fp8_keeps)
+      prog = _models.build(task, recipe, 0, settings.fp8_keeps, dict(settings.overrides))
       batch = next(iter(task.batches(0)))
       compiled = prog.step.lower(prog.state, batch, jnp.int32(0)).compile()
       progs[recipe.name], states[recipe.name], batches[recipe.name] = compiled, prog.state, batch
