@@ -100,3 +100,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
   assert p.returncode == 2, p.stderr[-2000:]
   lines = p.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_an_out_of_another_study_is_refused_and_kept(studied):
+  ref, out, _ = studied
+  before = open(os.path.join(out, "summary.json")).read()
+  p = cli(os.path.join(TASKS, ref), "--recipes", RECIPES, "--seeds", "3", "--steps", "7",
+          "--out", out, "--no-progress")
+  assert p.returncode == 2
+  line, = p.stderr.strip().splitlines()
+  assert line.startswith("error: ") and "another configuration (differs in: steps)" in line
+  assert open(os.path.join(out, "summary.json")).read() == before
