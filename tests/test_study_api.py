@@ -202,3 +202,18 @@ def test_overrides_reach_every_gemm_of_the_cell_and_the_identity(tmp_path):
   assert ident["overrides"] == [["*w2*", "p=f32,c=f32,o=f32"]]
   with pytest.raises(ValueError, match="another configuration.*overrides"):
     _run(out, recipes=["fp32", "bf16_mixed"], steps=2, eval_every=0)
+
+
+def test_more_seeds_grow_a_study_and_keep_its_cells(tmp_path):
+  out = tmp_path / "grow"
+  _run(out, recipes=["fp32", "bf16_mixed"], steps=3, eval_every=0)
+  cfg2 = study.make_config(["fp32", "bf16_mixed"], 2, 3)
+  first = {c.name: _cells.read_done(str(out), c)["fingerprint"] for c in cfg2.grid()}
+  grown = _run(out, recipes=["fp32", "bf16_mixed"], steps=3, eval_every=0, seeds=3)
+  assert len(grown.rows["bf16_mixed"]["deltas"]) == 3
+  for c in cfg2.grid():  # the two first seeds were not trained again
+    assert _cells.read_done(str(out), c)["fingerprint"] == first[c.name]
+    assert len(_cells.read_jsonl(os.path.join(str(out), "cells", c.name,
+                                              "attempts.jsonl"))) == 1
+  with pytest.raises(ValueError, match="holds a study of 3 seeds"):
+    _run(out, recipes=["fp32", "bf16_mixed"], steps=3, eval_every=0, seeds=2)

@@ -9,7 +9,8 @@ paired with the control's index i: a recipe that is the control by construction,
 verdict should be "no difference" (a check of the test on this task's noise).
 
 Output folder: study.json (what the study is: task, recipes, seeds, steps; a rerun with
-other settings is refused), cells/ (one folder per cell, see `_cells`), costs.json
+other settings is refused, one with more seeds adds them and keeps every finished cell),
+cells/ (one folder per cell, see `_cells`), costs.json
 (interleaved step timing), and the report: results.jsonl, summary.md, summary.json,
 loss_curves.png, loss_scale.png.
 
@@ -255,11 +256,20 @@ def _check_out(out: str, ident: dict, extra: dict) -> None:
         raise ValueError(f"{path} is not a study file (unreadable JSON); use another "
                          "--out") from None
     old_ident = old.get("identity", {})
-    if old_ident != ident:
-      diff = sorted(k for k in set(old_ident) | set(ident) if old_ident.get(k) != ident.get(k))
+    diff = sorted(k for k in set(old_ident) | set(ident)
+                  if k != "seeds" and old_ident.get(k) != ident.get(k))
+    if diff:
       raise ValueError(f"--out {out} holds a study with another configuration (differs in: "
                        f"{', '.join(diff)}); accepted: the same task and settings to "
                        "continue it, or another --out")
+    have, want = old_ident.get("seeds", 0), ident["seeds"]
+    if want < have:
+      raise ValueError(f"--out {out} holds a study of {have} seeds; accepted: --seeds >= "
+                       f"{have} (a study grows by seeds: its finished cells are kept)")
+    if want > have:
+      # More seeds continue the study: seed i's cells are the same runs whatever the
+      # seed count, so the finished ones stay and only the new seeds train.
+      _cells.write_atomic(path, json.dumps({**old, "identity": ident}, indent=1))
     return
   if os.path.isdir(out) and any(not n.startswith(".") for n in os.listdir(out)):
     raise ValueError(f"--out {out} exists and holds no study ({_STUDY_FILE} missing); "
@@ -333,7 +343,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     seeds: seeds per recipe (>= 2: a verdict needs pairs).
     steps: optimizer steps per cell.
     out: output folder; a rerun of the same study continues it (finished cells are not
-      rerun, unfinished ones resume bit-exactly from their last checkpoint).
+      rerun, unfinished ones resume bit-exactly from their last checkpoint); a rerun with
+      more `seeds` adds those seeds' cells (a verdict that "needs N seeds" gets them).
     eval_every, save_every: evaluation and checkpoint intervals (default steps // 10).
     shard: "K/N": run slice K of N of the grid (None: the Slurm array's slice, else 1/1).
     margin: equivalence margin in the metric's units: "holds up within margin" by two
