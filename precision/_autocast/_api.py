@@ -11,6 +11,10 @@ Flax NNX modules may be passed as arguments (their state is split out, traced an
 back, so BatchNorm statistics, fp8 scaling state and RNG counters update as in a plain call),
 and their module paths become name scopes, which `overrides` patterns and
 `precision.audit` read.
+
+A recipe with fp8 GEMMs runs the traced function's forward dot_generals through fp8 (see
+precision._autocast._fp8 for which ones); delayed scaling carries its state explicitly
+(`fp8_state=True`).
 """
 
 from __future__ import annotations
@@ -26,22 +30,28 @@ import numpy as np
 
 from precision import _fp32_ops
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
-from precision._recipe import DEFAULT_FP32_OPS, Recipe, get_recipe
+from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, Recipe, get_recipe
+from precision._autocast import _fp8
 from precision._autocast import _overrides
 from precision._autocast import _interpret
 
 
 @dataclasses.dataclass(frozen=True)
 class AutocastSpec:
-  """A policy, its overrides and the ops kept in f32: everything autocast applies.
+  """A policy, its overrides, the ops kept in f32 and the recipe's fp8 GEMMs: everything
+  autocast applies.
 
-  Frozen and hashable (NNX keeps it in a module's static graph definition).
+  Frozen and hashable (NNX keeps it in a module's static graph definition). `fp8` is the
+  recipe's Fp8Config (None: no fp8 GEMMs); `fp8_state`: the scaling state is an explicit
+  argument and result (``g(state, *args) -> (out, new_state)``).
   """
 
   policy: Policy
   rules: tuple = ()
   fp32_ops: tuple[str, ...] = DEFAULT_FP32_OPS
   recompute_f32: bool = True
+  fp8: Fp8Config | None = None
+  fp8_state: bool = False
 
   @functools.cached_property
   def fp32_primitives(self) -> frozenset:
@@ -50,32 +60,50 @@ class AutocastSpec:
   @classmethod
   def make(cls, policy: Policy | Recipe | str, overrides: Mapping[Any, Any] | None = None,
            fp32_ops=None, *, module_base: type = object,
-           recompute_f32: bool = True) -> AutocastSpec:
+           recompute_f32: bool = True, fp8_state: bool = False) -> AutocastSpec:
     """Validates and builds a spec.
 
     Args:
       policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe or a preset
-        recipe name ("bf16_mixed"): a recipe contributes its policy and fp32_ops.
+        recipe name ("bf16_mixed"): a recipe contributes its policy, fp32_ops and fp8
+        config.
       overrides: {path pattern or module type: policy} (see precision.autocast).
       fp32_ops: op names kept in f32 (default: the recipe's, else DEFAULT_FP32_OPS).
       recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
         pass instead of saving its f32 intermediates (see precision._autocast._regions).
+      fp8_state: the fp8 scaling state is an explicit argument and result.
     Raises:
       ValueError: a bad policy, override or op name; an fp8 compute dtype (fp8 GEMMs need
-        scaling: an fp8 recipe); a recipe with fp8 GEMMs passed to plain autocast (their
-        scaling state lives in layers: precision.flax.apply_recipe).
+        scaling: an fp8 recipe); a recipe with delayed fp8 scaling without
+        `fp8_state=True` (its amax histories are state); `fp8_state=True` without a recipe
+        with fp8 GEMMs.
     """
+    fp8, given = None, policy
     if isinstance(policy, Recipe) or (isinstance(policy, str) and "=" not in policy
                                       and policy in _recipe_names()):
       recipe = get_recipe(policy)
-      if recipe.fp8 is not None:
+      fp8 = recipe.fp8
+      if fp8 is not None and fp8.scaling == "delayed" and fp8_state is not True:
         raise ValueError(
-            f"Recipe {recipe.name!r} has fp8 GEMMs, whose scaling state (amax history, "
-            "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
-            "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
-            "recipe's policy), or autocast(fn, recipe.policy) for the policy alone")
+            f"Recipe {recipe.name!r} scales its fp8 GEMMs with delayed scaling "
+            "(fp8.scaling='delayed'): each GEMM's amax history is state carried from step "
+            "to step, which plain autocast has nowhere to keep. Either carry it: "
+            "g = precision.autocast(fn, recipe, fp8_state=True) with state = "
+            "precision.fp8.init_state(fn, recipe, *args), called as "
+            "g(state, *args) -> (out, new_state) (precision.fp8.autocast_value_and_grad "
+            "does the step); or use a stateless scaling: dataclasses.replace(recipe, "
+            "fp8=precision.Fp8Config(scaling='current')) ('per_channel' and 'block' are "
+            "stateless too)")
       policy = recipe.policy
       fp32_ops = recipe.fp32_ops if fp32_ops is None else fp32_ops
+    if not isinstance(fp8_state, bool):
+      raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
+    if fp8_state and fp8 is None:
+      raise ValueError(
+          f"fp8_state=True with {getattr(given, 'name', given)!r}, which has no fp8 GEMMs; "
+          "accepted: a recipe with "
+          "an fp8 config (precision.get_recipe('fp8_hybrid'), or a Recipe(..., "
+          "fp8=precision.Fp8Config(...)))")
     base = get_policy(policy)
     rules = _overrides.parse_overrides(overrides, module_base)
     for where, pol in [("policy", base)] + [(f"override {r.key!r}", r.policy) for r in rules]:
@@ -84,11 +112,12 @@ class AutocastSpec:
         raise ValueError(
             f"{where}: compute dtype {dtype_name(c)} is an fp8 format; fp8 GEMMs need "
             "scaling (an unscaled cast turns 500 into NaN in E4M3): use an fp8 recipe "
-            "(precision.get_recipe('fp8_hybrid') with precision.flax.apply_recipe)")
+            "(precision.get_recipe('fp8_hybrid'), or a Recipe with "
+            "fp8=precision.Fp8Config(...)), whose compute dtype is bf16/f16/f32")
     fp32 = _fp32_ops.check_names(DEFAULT_FP32_OPS if fp32_ops is None else fp32_ops)
     if not isinstance(recompute_f32, bool):
       raise ValueError(f"recompute_f32={recompute_f32!r}; accepted: True or False")
-    return cls(base, rules, fp32, recompute_f32)
+    return cls(base, rules, fp32, recompute_f32, fp8, fp8_state)
 
 
 def _recipe_names():
@@ -148,10 +177,14 @@ def _graph_node_check():
 @dataclasses.dataclass
 class Traced:
   """What one autocast call saw: the outputs, the dtypes the traced program gave them
-  (flat, in tree_leaves order) and the interpreter's record."""
+  (flat, in tree_leaves order), the interpreter's record, and with fp8 GEMMs the new
+  scaling state ({site key: Fp8DotState}; every selected site's, stateless scalings too)
+  and each site's decision."""
   outputs: Any
   traced_dtypes: list
   env: _interpret.Env
+  fp8_state: dict | None = None
+  fp8_decisions: list | None = None
 
   def outputs_in_traced_dtypes(self):
     """The outputs with every floating leaf cast back to its traced dtype."""
@@ -161,12 +194,15 @@ class Traced:
 
 def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
         check_overrides: bool = True, root_scope: str = "",
-        module_at: dict | None = None) -> Traced:
+        module_at: dict | None = None, fp8_state: Any = None,
+        evaluate: bool = True) -> Traced:
   """Traces `fn(*args, **kwargs)` and evaluates it under `spec`; NNX graph nodes among the
   arguments are split out and their new state written back after the call.
 
   Returns the raw outputs (dtypes as the policy left them; `autocast` casts them to the
-  output dtype) and the interpreter's record.
+  output dtype) and the interpreter's record. `fp8_state`: the scaling state read by the
+  fp8 sites when `spec.fp8_state` (checked against the sites). `evaluate=False` traces and
+  chooses the fp8 sites only (outputs None; `precision.fp8.init_state`).
   """
   is_node = _graph_node_check()
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
@@ -202,6 +238,12 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(node_state, arrays)
   env = _interpret.Env(spec.policy, spec.rules, spec.fp32_primitives, module_at,
                        module_policy, root=root_scope, recompute_f32=spec.recompute_f32)
+  decisions = None
+  if spec.fp8 is not None:
+    env.fp8, decisions = _fp8.prepare(env, closed.jaxpr, spec.fp8, spec.fp8_state,
+                                      fp8_state, check_state=evaluate)
+  if not evaluate:
+    return Traced(None, [], env, None, decisions)
   in_flat = jax.tree_util.tree_leaves((node_state, arrays))
   outs = _interpret.eval_jaxpr(env, closed.jaxpr, closed.consts, in_flat)
   out_tree = jax.tree_util.tree_structure(out_shape)
@@ -217,7 +259,8 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
     nnx.update(tuple(nodes), new_state)
   if check_overrides:
     _check_overrides(spec, env)
-  return Traced(result, traced_dtypes[:n_result], env)
+  return Traced(result, traced_dtypes[:n_result], env,
+                None if env.fp8 is None else dict(env.fp8.state_out), decisions)
 
 
 def _check_overrides(spec: AutocastSpec, env: _interpret.Env) -> None:
@@ -254,7 +297,7 @@ def register_scope_hook(hook: Callable) -> None:
 
 def autocast(fn: Callable, policy: Policy | Recipe | str,
              overrides: Mapping[Any, Any] | None = None, *,
-             fp32_ops=None) -> Callable:
+             fp32_ops=None, fp8_state: bool = False) -> Callable:
   """`fn` under a precision policy: a function with the same signature whose GEMMs run
   on compute-dtype operands with f32 accumulation, forward and backward, whose fp32 ops
   run in f32, and whose floating results are returned in the policy's output dtype.
@@ -274,6 +317,17 @@ def autocast(fn: Callable, policy: Policy | Recipe | str,
     * explicit casts in `fn` are kept; custom_vjp functions and Pallas kernels run as
       written (their operands in the dtypes they were traced with); jit, scan, while,
       cond, remat and custom_jvp are recursed into (loop carries keep their dtypes).
+    * with a recipe that has fp8 GEMMs (`recipe.fp8`, e.g. "fp8_hybrid"): the forward
+      dot_generals go through `precision.fp8.fp8_dot_general` (operands in E4M3 with
+      their scales, f32 accumulation, result in the compute dtype; backward: the
+      cotangent in E5M2, both gradient GEMMs on fp8 operands, f32 accumulation), except
+      the first and the last GEMM of `fn` (`Fp8Config.keep_first_last`, default on), the
+      scopes matching `Fp8Config.keep_high_precision`, and scopes an override gives its
+      own policy: those run the policy GEMM. Convolutions stay in the compute dtype
+      (fp8 convolutions are not supported). Current, per-channel and block scaling need
+      no state; delayed scaling needs `fp8_state=True`. Which GEMM does what:
+      `precision.fp8.autocast_gemms(fn, recipe, *args)`; the rules in detail:
+      precision._autocast._fp8.
   Params are not cast (their storage dtype is the caller's:
   `precision.flax.apply_policy` casts an NNX model's params to the param dtype).
 
@@ -286,6 +340,16 @@ def autocast(fn: Callable, policy: Policy | Recipe | str,
       traced in ("blocks/0/mlp", "*lm_head*"; NNX module paths and jax.named_scope names);
       the deepest matching scope decides. A pattern that matches no scope raises.
     fp32_ops: op names kept in f32 (precision.DEFAULT_FP32_OPS, the recipe's by default).
+    fp8_state: for a recipe with fp8 GEMMs: the scaling state is an explicit argument and
+      result. The wrapped function is then ``g(state, *args, **kwargs) -> (out,
+      new_state)``, `state` a dict {site key: precision.fp8.Fp8DotState} from
+      `precision.fp8.init_state(fn, recipe, *args)` or ``g.init_state(*args)``.
+      `new_state` holds the forward operands' new amax histories, scales and counters;
+      its gradient-operand fields pass `state`'s through, and their new values are the
+      cotangent of `state`: differentiate with respect to `state` too and combine with
+      `precision.fp8.merge_state_grads` (`precision.fp8.autocast_value_and_grad` does
+      both). Required for delayed scaling; allowed for every scaling (the state then
+      records each GEMM's last amax, scale, saturation and underflow counts).
   Returns:
     The wrapped function.
 
@@ -294,8 +358,32 @@ def autocast(fn: Callable, policy: Policy | Recipe | str,
     ...   h = jax.nn.gelu(x @ params["w1"] + params["b1"])
     ...   return jnp.mean((h @ params["w2"] - y) ** 2)
     >>> loss, grads = jax.value_and_grad(mp.autocast(loss_fn, "bf16_mixed"))(params, x, y)
+    >>> fp8 = mp.Recipe("fp8_current", "p=f32,c=bf16,o=f32",
+    ...                 fp8=mp.Fp8Config(scaling="current"))
+    >>> loss, grads = jax.value_and_grad(mp.autocast(loss_fn, fp8))(params, x, y)
+    >>> g = mp.autocast(loss_fn, "fp8_hybrid", fp8_state=True)   # delayed scaling
+    >>> state = g.init_state(params, x, y)
+    >>> (loss, new), (grads, cts) = jax.value_and_grad(g, (1, 0), has_aux=True)(
+    ...     state, params, x, y)
+    >>> state = mp.fp8.merge_state_grads(new, cts)
   """
-  spec = AutocastSpec.make(policy, overrides, fp32_ops)
+  spec = AutocastSpec.make(policy, overrides, fp32_ops, fp8_state=fp8_state)
+
+  def init_state(*args, **kwargs):
+    """{site key: Fp8DotState}, fresh (zero histories, unit scales), for the fp8 GEMMs
+    `fn(*args, **kwargs)` has at these arguments' shapes and dtypes (nothing runs)."""
+    decisions = run(spec, fn, args, kwargs, evaluate=False).fp8_decisions
+    return _fp8.init_states(spec.fp8, decisions)
+
+  if spec.fp8_state:
+    @functools.wraps(fn)
+    def with_state(state, *args, **kwargs):
+      traced = run(spec, fn, args, kwargs, fp8_state=state)
+      return cast_floating(traced.outputs, spec.policy.output_dtype), traced.fp8_state
+
+    with_state.autocast_spec = spec
+    with_state.init_state = init_state
+    return with_state
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
