@@ -157,8 +157,8 @@ def test_mlp_middle_layers_run_fp8_forward_and_backward():
 def test_mlp_loss_and_grads_equal_the_hand_written_reference():
   params, (x, y) = _params(), _data()
   f = mp.autocast(mlp_loss, CURRENT)
-  value, grads = jax.value_and_grad(f)(params, x, y)
-  ref_value, ref_grads = jax.value_and_grad(_ref_loss)(params, x, y)
+  value, grads = jax.jit(jax.value_and_grad(f))(params, x, y)
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(_ref_loss))(params, x, y)
   assert value.dtype == jnp.float32
   np.testing.assert_allclose(value, ref_value, rtol=1e-6)
   _close(grads, ref_grads, 1e-5)
@@ -176,7 +176,7 @@ def test_one_fp8_gemm_against_an_ml_dtypes_reference():
   w = jax.random.normal(kw, (16, 12)) * 0.2
   eye_in, eye_out = jnp.eye(16), jnp.eye(12)
   f = mp.autocast(lambda x, w: (x @ eye_in) @ w @ eye_out, CURRENT)
-  got = np.asarray(f(x, w), np.float32)
+  got = np.asarray(jax.jit(f)(x, w), np.float32)
 
   def quantize(a):
     a = np.asarray(a, np.float32)
@@ -209,9 +209,9 @@ def test_other_stateless_scalings(scaling):
   params, (x, y) = _params(), _data()
   r = _recipe(scaling=scaling, activation_block=(1, 8), weight_block=(8, 8))
   f = mp.autocast(mlp_loss, r)
-  value, grads = jax.value_and_grad(f)(params, x, y)
-  ref_value, ref_grads = jax.value_and_grad(
-      lambda *a: _ref_loss(*a, config=r.fp8))(params, x, y)
+  value, grads = jax.jit(jax.value_and_grad(f))(params, x, y)
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(
+      lambda *a: _ref_loss(*a, config=r.fp8)))(params, x, y)
   np.testing.assert_allclose(value, ref_value, rtol=1e-6)
   _close(grads, ref_grads, 1e-5)
   assert [s.fp8 for s in mp.fp8.autocast_gemms(mlp_loss, r, params, x, y)] == [
@@ -233,8 +233,9 @@ def test_keep_high_precision_matches_named_scopes():
   assert set(sites) == {"layer0", "layer1", "layer2", "layer3"}
   assert "'*layer2*'" in sites["layer2"].reason and sites["layer1"].key == "1:layer1"
   # Numbers: layer 2 as the bf16 policy GEMM.
-  np.testing.assert_allclose(mp.autocast(fn, kept)(params, x, y),
-                             _ref_loss(params, x, y, fp8_layers=(1,)), rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(mp.autocast(fn, kept))(params, x, y),
+                             jax.jit(_ref_loss, static_argnames="fp8_layers")(
+                                 params, x, y, fp8_layers=(1,)), rtol=1e-6)
   # A scope prefix matches too, as override patterns do.
   outer = lambda p, x, y: _in_scope("block", fn, p, x, y)
   r = _recipe(scaling="current", keep_high_precision=("block",))
@@ -251,8 +252,9 @@ def test_keep_first_last_off_and_overrides():
   fn = lambda p, x, y: mlp_loss(p, x, y, scoped=True)
   every = _recipe(scaling="current", keep_first_last=False)
   assert set(_fp8_layers(mp.autocast(fn, every), params, x, y)) == {0, 1, 2, 3}
-  np.testing.assert_allclose(mp.autocast(fn, every)(params, x, y),
-                             _ref_loss(params, x, y, fp8_layers=(0, 1, 2, 3)), rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(mp.autocast(fn, every))(params, x, y),
+                             jax.jit(_ref_loss, static_argnames="fp8_layers")(
+                                 params, x, y, fp8_layers=(0, 1, 2, 3)), rtol=1e-6)
   # An override gives layer1 its own policy (f32): no fp8 there.
   f = mp.autocast(fn, CURRENT, {"layer1": "p=f32,c=f32"})
   assert set(_fp8_layers(f, params, x, y)) == {2}
@@ -338,19 +340,43 @@ def test_linen_model_inside_a_function():
       h = z.astype(jnp.float32) + p["b"][None, :]
     return jnp.mean((h - y) ** 2)
 
-  value, grads = jax.value_and_grad(f)(variables, x, y)
-  ref_value, ref_grads = jax.value_and_grad(ref)(variables, x, y)
+  vg = jax.jit(jax.value_and_grad(f))
+  value, grads = vg(variables, x, y)
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(ref))(variables, x, y)
   np.testing.assert_allclose(value, ref_value, rtol=1e-6)
   _close(grads, ref_grads, 1e-5)
   # Trains; a keep pattern on a Linen module name is honoured.
-  vg = jax.jit(jax.value_and_grad(f))
-  first = float(vg(variables, x, y)[0])
+  first = float(value)
   for _ in range(20):
     value, grads = vg(variables, x, y)
     variables = jax.tree.map(lambda p, g: p - 0.1 * g, variables, grads)
   assert float(value) < 0.8 * first
   kept = _recipe(scaling="current", keep_high_precision=("*mid3",))
   assert set(_fp8_layers(mp.autocast(loss, kept), variables, x, y)) == {1}
+
+
+def test_unmodified_nnx_model_passed_to_autocast():
+  """An NNX model written without the library, called inside the function: its module
+  paths are the scopes; its Linear layers' GEMMs go fp8 except the first and last."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([nnx.Linear(DIMS[i], DIMS[i + 1], rngs=rngs)
+                              for i in range(len(DIMS) - 1)])
+
+    def __call__(self, x):
+      for layer in self.layers[:-1]:
+        x = jax.nn.relu(layer(x))
+      return self.layers[-1](x)
+
+  net, (x, y) = Net(nnx.Rngs(0)), _data()
+  loss = lambda m, x, y: jnp.mean((m(x) - y) ** 2)
+  sites = mp.fp8.autocast_gemms(loss, CURRENT, net, x, y)
+  assert [(s.scope, s.fp8) for s in sites] == [
+      (f"layers/{i}", i in (1, 2)) for i in range(len(DIMS) - 1)]
+  value = mp.autocast(loss, CURRENT)(net, x, y)
+  assert value.dtype == jnp.float32 and np.isfinite(float(value))
 
 
 # ----------------------------------------------------------------------------- delayed
@@ -399,7 +425,6 @@ def test_delayed_scaling_with_explicit_state():
     for op in ("lhs", "rhs", "grad"):
       hist = np.asarray(getattr(state[key], op).amax_history)
       assert np.all(hist[[0, 2, 3]] > 0) and hist[1] == 0, (key, op, hist)
-  # The input amax of layer 1 is what reached it: relu(layer 0) at the last params' step.
   assert float(state["1"].grad.scale) != 1.0 and float(state["1"].lhs.scale) != 1.0
 
 
@@ -423,11 +448,12 @@ def test_fp8_state_under_plain_jax_value_and_grad():
   recipe = _recipe(scaling="delayed", amax_history_len=2)
   g = mp.autocast(mlp_loss, recipe, fp8_state=True)
   state = g.init_state(params, x, y)
-  (value, new), (grads, cts) = jax.value_and_grad(g, (1, 0), has_aux=True)(state, params, x, y)
+  (value, new), (grads, cts) = jax.jit(jax.value_and_grad(g, (1, 0), has_aux=True))(
+      state, params, x, y)
   merged = mp.fp8.merge_state_grads(new, cts)
   assert float(merged["1"].grad.amax_history[0]) > 0
   # Without differentiation: forward state new, gradient state unchanged.
-  out, fwd_only = g(state, params, x, y)
+  out, fwd_only = jax.jit(g)(state, params, x, y)
   np.testing.assert_allclose(out, value, rtol=0)
   assert float(fwd_only["1"].lhs.amax_history[0]) > 0
   assert float(fwd_only["1"].grad.amax_history[0]) == 0

@@ -260,7 +260,8 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   if check_overrides:
     _check_overrides(spec, env)
   return Traced(result, traced_dtypes[:n_result], env,
-                None if env.fp8 is None else dict(env.fp8.state_out), decisions)
+                None if env.fp8 is None or not spec.fp8_state else dict(env.fp8.state_out),
+                decisions)
 
 
 def _check_overrides(spec: AutocastSpec, env: _interpret.Env) -> None:

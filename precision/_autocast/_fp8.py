@@ -227,7 +227,8 @@ def dot(env, eqn, invals, path: tuple):
   state = run.spec.init_state() if run.state_in is None else run.state_in[key]
   out, new = fp8_dot_general(invals[0], invals[1], eqn.params["dimension_numbers"], state,
                              run.spec, out_dtype=out_dtype)
-  run.state_out[key] = new
+  if run.state_in is not None:  # stateless runs keep no record (sites may sit in loops)
+    run.state_out[key] = new
   return out
 
 
