@@ -262,6 +262,29 @@ def test_keep_first_last_off_and_overrides():
   assert "override" in sites[1].reason and not sites[1].fp8
 
 
+def test_attention_batched_gemms_stay_in_the_compute_dtype():
+  """Attention written by hand (einsum, jax.nn.softmax): the projections are fp8 (but the
+  first, q, and the last, the head), q.k and p.v (two activations) are not."""
+  ks = jax.random.split(jax.random.key(6), 6)
+  d = 8
+  params = {n: jax.random.normal(k, (d, d)) / np.sqrt(d)
+            for n, k in zip(("q", "k", "v", "o", "head"), ks)}
+  x = jax.random.normal(ks[5], (2, 5, d))
+
+  def fn(params, x):
+    q, k, v = (jnp.einsum("bsd,de->bse", x, params[n]) for n in "qkv")
+    probs = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(d), axis=-1)
+    o = jnp.einsum("bqk,bkd->bqd", probs, v)
+    return jnp.mean(jnp.einsum("bsd,de->bse", o @ params["o"], params["head"]) ** 2)
+
+  sites = mp.fp8.autocast_gemms(fn, CURRENT, params, x)
+  assert [s.fp8 for s in sites] == [False, True, True, False, False, True, False]
+  assert "first" in sites[0].reason and "last" in sites[6].reason
+  assert all("activations" in sites[i].reason for i in (3, 4))
+  value, grads = jax.jit(jax.value_and_grad(mp.autocast(fn, CURRENT)))(params, x)
+  assert np.isfinite(float(value)) and all(g.dtype == jnp.float32 for g in grads.values())
+
+
 def test_convolutions_and_loops():
   """Convolutions stay bf16; a GEMM in a scan body is fp8 under current scaling (and not
   a first/last candidate), in the compute dtype under delayed scaling (stated)."""
@@ -284,8 +307,19 @@ def test_convolutions_and_loops():
   convs = [e for e in jax.make_jaxpr(mp.autocast(fn, CURRENT))(x).jaxpr.eqns
            if e.primitive.name == "custom_vjp_call"]
   assert convs  # the conv is the policy's custom-VJP bf16 convolution, not fp8
-  delayed = mp.fp8.autocast_gemms(fn, _recipe(scaling="delayed"), x)
-  assert not delayed[1].fp8 and "loop body" in delayed[1].reason
+  # Delayed scaling: the scan's GEMM has one state per iteration; a while loop's GEMM
+  # (no static trip count) stays in the compute dtype, and says why.
+  delayed = _recipe(scaling="delayed")
+  assert [s.fp8 for s in mp.fp8.autocast_gemms(fn, delayed, x)] == [False, True, False]
+
+  def with_while(x):
+    h = x @ w_in
+    h = jax.lax.fori_loop(0, jnp.int32(3), lambda i, c: jnp.tanh(c @ w_loop), h)
+    return jnp.sum(h @ w_out)
+
+  sites = mp.fp8.autocast_gemms(with_while, delayed, x)
+  assert not sites[1].fp8 and "while body" in sites[1].reason, sites
+  assert mp.fp8.autocast_gemms(with_while, CURRENT, x)[1].fp8
 
 
 # ----------------------------------------------------------------------------- Linen
@@ -426,6 +460,57 @@ def test_delayed_scaling_with_explicit_state():
       hist = np.asarray(getattr(state[key], op).amax_history)
       assert np.all(hist[[0, 2, 3]] > 0) and hist[1] == 0, (key, op, hist)
   assert float(state["1"].grad.scale) != 1.0 and float(state["1"].lhs.scale) != 1.0
+
+
+def test_delayed_state_per_scan_iteration_and_through_remat():
+  """A scan over stacked layers, each layer's GEMM under jax.checkpoint: one state per
+  layer (leading axis = scan length), equal to a hand-written scan of fp8_dot_general
+  over (kernel, state) pairs, gradient state through the cotangent included."""
+  n_layers = 3
+  ks = jax.random.split(jax.random.key(4), 3)
+  params = (jax.random.normal(ks[0], (4, 8)),
+            jax.random.normal(ks[1], (n_layers, 8, 8)) / np.sqrt(8),
+            jax.random.normal(ks[2], (8, 2)) / np.sqrt(8))
+  x, y = jax.random.normal(jax.random.key(5), (5, 4)), jnp.zeros((5, 2))
+
+  def loss(params, x, y):
+    w_in, ws, w_out = params
+    layer = lambda h, w: (jnp.tanh(jax.checkpoint(lambda h, w: h @ w)(h, w)), None)
+    h, _ = jax.lax.scan(layer, x @ w_in, ws)
+    return jnp.mean((h @ w_out - y) ** 2)
+
+  recipe = _recipe(scaling="delayed", amax_history_len=2)
+  spec = mp.fp8.Fp8Spec.from_config(recipe.fp8)
+  state = mp.fp8.init_state(loss, recipe, params, x, y)
+  assert list(state) == ["1"] and state["1"].grad.amax_history.shape == (n_layers, 2)
+  assert state["1"].rhs.scale.shape == (n_layers,)
+
+  def ref(params, st):
+    w_in, ws, w_out = params
+    bf16 = lambda a, b: mp.flax.policy_dot_general(a, b, DN, jnp.bfloat16)
+
+    def layer(h, w_st):
+      z, new = mp.fp8.fp8_dot_general(h, w_st[0], DN, w_st[1], spec, out_dtype=jnp.bfloat16)
+      return jnp.tanh(z.astype(jnp.float32)), new
+
+    # The scan carry keeps its traced dtype (f32), as autocast keeps loop carries.
+    h, new = jax.lax.scan(layer, bf16(x, w_in).astype(jnp.float32), (ws, st["1"]))
+    return jnp.mean((bf16(h, w_out).astype(jnp.float32) - y) ** 2), {"1": new}
+
+  vg = jax.jit(mp.fp8.autocast_value_and_grad(loss, recipe))
+  ref_vg = jax.jit(jax.value_and_grad(ref, argnums=(0, 1), has_aux=True))
+  ref_state = state
+  for _ in range(3):
+    value, grads, state = vg(state, params, x, y)
+    (ref_value, ref_new), (ref_grads, ref_cts) = ref_vg(params, ref_state)
+    ref_state = {"1": ref_new["1"]._replace(grad=ref_cts["1"].grad)}
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    _close(grads, ref_grads, 1e-4)
+    _close(state, ref_state, 1e-5)
+    params = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+  # Every layer has its own, nonzero, history.
+  hist = np.asarray(state["1"].grad.amax_history)
+  assert np.all(hist > 0) and len(set(hist[:, 0].tolist())) == n_layers
 
 
 def test_delayed_scaling_trains_and_state_survives_jit():

@@ -259,9 +259,12 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
     nnx.update(tuple(nodes), new_state)
   if check_overrides:
     _check_overrides(spec, env)
-  return Traced(result, traced_dtypes[:n_result], env,
-                None if env.fp8 is None or not spec.fp8_state else dict(env.fp8.state_out),
-                decisions)
+  new_fp8 = None
+  if env.fp8 is not None and spec.fp8_state:
+    # Every site is evaluated (a jaxpr holding one is never bound as traced); a key the
+    # evaluation did not reach would keep its state.
+    new_fp8 = {k: env.fp8.state_out.get(k, v) for k, v in env.fp8.state_in.items()}
+  return Traced(result, traced_dtypes[:n_result], env, new_fp8, decisions)
 
 
 def _check_overrides(spec: AutocastSpec, env: _interpret.Env) -> None:

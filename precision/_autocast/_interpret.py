@@ -267,7 +267,7 @@ def _container(env: Env, eqn, invals, prefix: str, path: tuple):
   if name in ("jit", "pjit", "closed_call", "core_call"):
     return run(p.get("jaxpr", p.get("call_jaxpr")), invals)
   if name == "scan":
-    return _scan(eqn, invals, run)
+    return _scan(env, eqn, invals, run, path)
   if name == "while":
     return _while(eqn, invals, run)
   if name == "cond":
@@ -278,26 +278,47 @@ def _container(env: Env, eqn, invals, prefix: str, path: tuple):
                 for k, b in enumerate(p["branches"])]
     return lax.switch(invals[0], branches, *invals[1:])
   if name in ("remat2", "checkpoint"):
-    fn = lambda *args: run(p["jaxpr"], list(args))
-    return jax.checkpoint(fn, prevent_cse=p.get("prevent_cse", True),
-                          policy=p.get("policy"))(*invals)
+    # Explicit fp8 state of the sites inside: an argument and a result of the
+    # rematerialised function (recomputed with it in the backward pass).
+    keys = _fp8.threaded_keys(env.fp8, path + (0,))
+
+    def fn(args, states):
+      with _fp8.threading(env.fp8, states) as new:
+        return run(p["jaxpr"], list(args)), {k: new[k] for k in keys}
+
+    outs, new_states = jax.checkpoint(fn, prevent_cse=p.get("prevent_cse", True),
+                                      policy=p.get("policy"))(
+                                          list(invals), {k: env.fp8.state_in[k] for k in keys})
+    if keys:
+      env.fp8.state_out.update(new_states)
+    return outs
   if name == "custom_jvp_call":
     return _custom_jvp(env, eqn, invals, prefix, path)
   raise AssertionError(name)
 
 
-def _scan(eqn, invals, run):
+def _scan(env: Env, eqn, invals, run, path: tuple):
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
   consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
   carry_dtypes = traced_dtypes(eqn.invars[nc:nc + nk])
+  # Explicit fp8 state of the sites in the body: one per iteration, scanned over (its
+  # leading axis) and scanned out, the gradient state's token included.
+  keys = _fp8.threaded_keys(env.fp8, path + (0,))
 
   def body(carry, x):
-    outs = run(p["jaxpr"], [*consts, *carry, *x])
-    return cast_all(outs[:nk], carry_dtypes), outs[nk:]
+    x, states = x
+    with _fp8.threading(env.fp8, states) as new:
+      outs = run(p["jaxpr"], [*consts, *carry, *x])
+      new_states = {k: new[k] for k in keys}
+    return cast_all(outs[:nk], carry_dtypes), (outs[nk:], new_states)
 
-  carry, ys = lax.scan(body, cast_all(init, carry_dtypes), xs, length=p["length"],
-                       reverse=p["reverse"], unroll=p["unroll"])
+  states = {k: env.fp8.state_in[k] for k in keys}
+  carry, (ys, new_states) = lax.scan(body, cast_all(init, carry_dtypes), (xs, states),
+                                     length=p["length"], reverse=p["reverse"],
+                                     unroll=p["unroll"])
+  if keys:
+    env.fp8.state_out.update(new_states)
   return [*carry, *ys]
 
 

@@ -33,6 +33,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from precision._recipe import Recipe
 from precision.fp8 import _scaling as sc
@@ -145,8 +146,9 @@ def merge_state_grads(new_state: Mapping[str, Fp8DotState],
       its `grad` fields carry each GEMM's new gradient-operand state.
 
   Returns:
-    `new_state` with every `grad` field taken from `state_grads`, except for GEMMs that
-    took no part in the differentiated value (zero cotangent, scale 0): they keep theirs.
+    `new_state` with every `grad` field taken from `state_grads`, except for GEMMs (or
+    scan iterations of one) that took no part in the differentiated value (zero
+    cotangent, scale 0): they keep theirs.
 
   Raises:
     ValueError: the two dicts have different keys.
@@ -161,9 +163,12 @@ def merge_state_grads(new_state: Mapping[str, Fp8DotState],
         "respect to the state it was given")
   out = {}
   for key, st in new_state.items():
-    old = st.grad._asdict()
-    merged = sc.keep_unused_grad_state(old, state_grads[key].grad._asdict(), "scale")
-    out[key] = st._replace(grad=sc.OperandState(**merged))
+    ct = state_grads[key].grad
+    # Per GEMM (per scan iteration for a GEMM in a scan body: the leading axes).
+    used = ct.scale > 0
+    pick = lambda new, old: jnp.where(
+        used.reshape(used.shape + (1,) * (jnp.ndim(old) - used.ndim)), new, old)
+    out[key] = st._replace(grad=sc.OperandState(*map(pick, ct, st.grad)))
   return out
 
 
