@@ -321,6 +321,17 @@ def test_convolutions_and_loops():
   assert not sites[1].fp8 and "while body" in sites[1].reason, sites
   assert mp.fp8.autocast_gemms(with_while, CURRENT, x)[1].fp8
 
+  def with_cond(x):
+    h = x @ w_in
+    h = jax.lax.cond(jnp.sum(x) > 0, lambda h: jnp.tanh(h @ w_loop), jnp.tanh, h)
+    return jnp.sum(h @ w_out)
+
+  sites = mp.fp8.autocast_gemms(with_cond, delayed, x)
+  assert not sites[1].fp8 and "cond branch" in sites[1].reason, sites
+  assert mp.fp8.autocast_gemms(with_cond, CURRENT, x)[1].fp8
+  np.testing.assert_allclose(jax.jit(mp.autocast(with_cond, CURRENT))(x),
+                             jax.jit(mp.autocast(with_cond, "bf16_mixed"))(x), rtol=0.1)
+
 
 # ----------------------------------------------------------------------------- Linen
 
@@ -545,6 +556,15 @@ def test_fp8_state_under_plain_jax_value_and_grad():
   zero = jax.tree.map(jnp.zeros_like, cts)
   kept = mp.fp8.merge_state_grads(fwd_only, zero)
   assert float(kept["1"].grad.scale) == float(state["1"].grad.scale)
+  # The helper with aux and several argnums: the same numbers.
+  with_aux = lambda p, x, y: (mlp_loss(p, x, y), jnp.sum(x))
+  vg = jax.jit(mp.fp8.autocast_value_and_grad(with_aux, recipe, argnums=(0, 1), has_aux=True))
+  (value2, aux), (grads2, gx), merged2 = vg(state, params, x, y)
+  np.testing.assert_allclose(value2, value, rtol=1e-6)
+  np.testing.assert_allclose(aux, jnp.sum(x), rtol=1e-6)
+  _close(grads2, grads, 1e-5)
+  _close(merged2, merged, 1e-6)
+  assert gx.shape == x.shape
 
 
 # ----------------------------------------------------------------------------- errors

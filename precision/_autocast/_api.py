@@ -177,9 +177,9 @@ def _graph_node_check():
 @dataclasses.dataclass
 class Traced:
   """What one autocast call saw: the outputs, the dtypes the traced program gave them
-  (flat, in tree_leaves order), the interpreter's record, and with fp8 GEMMs the new
-  scaling state ({site key: Fp8DotState}; every selected site's, stateless scalings too)
-  and each site's decision."""
+  (flat, in tree_leaves order), the interpreter's record, and with fp8 GEMMs each site's
+  decision and, when the state is explicit (`spec.fp8_state`), the new scaling state
+  ({site key: Fp8DotState})."""
   outputs: Any
   traced_dtypes: list
   env: _interpret.Env
@@ -326,9 +326,10 @@ def autocast(fn: Callable, policy: Policy | Recipe | str,
       their scales, f32 accumulation, result in the compute dtype; backward: the
       cotangent in E5M2, both gradient GEMMs on fp8 operands, f32 accumulation), except
       the first and the last GEMM of `fn` (`Fp8Config.keep_first_last`, default on), the
-      scopes matching `Fp8Config.keep_high_precision`, and scopes an override gives its
-      own policy: those run the policy GEMM. Convolutions stay in the compute dtype
-      (fp8 convolutions are not supported). Current, per-channel and block scaling need
+      scopes matching `Fp8Config.keep_high_precision`, scopes an override gives its own
+      policy, and GEMMs of two activations (attention's q.k and p.v): those run the
+      policy GEMM. Convolutions stay in the compute dtype (fp8 convolutions and fp8
+      attention are not supported). Current, per-channel and block scaling need
       no state; delayed scaling needs `fp8_state=True`. Which GEMM does what:
       `precision.fp8.autocast_gemms(fn, recipe, *args)`; the rules in detail:
       precision._autocast._fp8.
