@@ -279,9 +279,10 @@ class Fp8Config:
   [0, 127] (the scale is divided by 2**margin, an f32), `amax_history_len` in [1, 65536].
 
   `keep_first_last` (default True): under `precision.autocast`, the first and the last
-  GEMM of the traced forward function stay in the compute dtype whatever their scope is
-  called (the embedding/stem projection and the output head, Transformer Engine's
-  practice), besides the `keep_high_precision` scopes. It selects by position in the
+  GEMM of the traced forward function (with a weight operand, outside loop bodies) stay
+  in the compute dtype whatever their scope is called (the embedding/stem projection and
+  the output head, Transformer Engine's practice), besides the `keep_high_precision`
+  scopes. It selects by position in the
   traced program, so it applies where a program is traced (`precision.autocast`);
   `precision.fp8.apply_fp8` on an NNX model selects its layers by path only
   (`keep_high_precision`). Dicts written before this field existed read it as True.

@@ -99,10 +99,11 @@ def _layers(fn, *args):
   return {k: sorted(v) for k, v in found.items()}
 
 
-def _fp8_layers(fn, *args):
-  """{layer: sorted dtype pairs of its fp8 GEMMs} of value_and_grad(fn)."""
+def _fp8_layers(fn, *args, layers=None):
+  """{layer: sorted dtype pairs of its fp8 GEMMs} of value_and_grad(fn) (or of `layers`,
+  a `_layers` result)."""
   out = {}
-  for k, pairs in _layers(fn, *args).items():
+  for k, pairs in (layers or _layers(fn, *args)).items():
     fp8 = [p for p in pairs if "float8" in p[0] + p[1]]
     if fp8:
       out[k] = fp8
@@ -142,10 +143,9 @@ def _close(a, b, rtol):
 
 def test_mlp_middle_layers_run_fp8_forward_and_backward():
   params, (x, y) = _params(), _data()
-  f = mp.autocast(mlp_loss, CURRENT)
-  assert _fp8_layers(f, params, x, y) == {1: FP8_LAYER, 2: FP8_LAYER}
+  layers = _layers(mp.autocast(mlp_loss, CURRENT), params, x, y)
+  assert _fp8_layers(None, layers=layers) == {1: FP8_LAYER, 2: FP8_LAYER}
   # The first and last layer: bf16 GEMMs in both directions.
-  layers = _layers(f, params, x, y)
   assert layers[0] == layers[3] == [(BF16, BF16)] * 3, layers
   sites = mp.fp8.autocast_gemms(mlp_loss, CURRENT, params, x, y)
   assert [(s.key, s.fp8) for s in sites] == [("0", False), ("1", True), ("2", True),
