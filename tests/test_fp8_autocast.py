@@ -522,6 +522,10 @@ def test_delayed_state_per_scan_iteration_and_through_remat():
   # Every layer has its own, nonzero, history.
   hist = np.asarray(state["1"].grad.amax_history)
   assert np.all(hist > 0) and len(set(hist[:, 0].tolist())) == n_layers
+  m = mp.fp8.fp8_metrics(state)   # per site: iterations' max amax, summed counts
+  assert float(m["1/grad_amax"]) == float(hist[:, 0].max()) and float(m["fp8/gemms"]) == 1
+  assert float(m["fp8/saturated"]) == float(sum(
+      np.sum(getattr(state["1"], op).saturated) for op in ("lhs", "rhs", "grad")))
 
 
 def test_delayed_scaling_trains_and_state_survives_jit():
