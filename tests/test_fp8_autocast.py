@@ -5,11 +5,13 @@ function: which GEMMs run in fp8 (forward E4M3 x E4M3, backward E5M2 cotangent x
 the first and last GEMM and keep_high_precision scopes in bf16), the loss and gradients
 against a hand-written reference built from `precision.fp8.fp8_dot_general` and
 `precision.flax.policy_dot_general`, one fp8 GEMM against an ml_dtypes reference,
-training, delayed scaling with explicit state (forward histories and the gradient
-operand's state through the cotangent), loops, errors, and the CUDA lowering.
+training, hand-written attention (q.k and p.v stay bf16), an unmodified NNX model,
+delayed scaling with explicit state (forward histories and the gradient operand's state
+through the cotangent; one state per iteration of a scan over layers, through remat),
+loops and branches, errors, and the CUDA lowering.
 """
 
-import dataclasses
+import contextlib
 
 import flax.linen as nn
 import jax
@@ -49,19 +51,11 @@ def mlp_loss(params, x, y, scoped=False):
   """Written with no dtype in mind; `scoped`: each layer in a jax.named_scope."""
   h = x
   for i, p in enumerate(params):
-    with jax.named_scope(f"layer{i}") if scoped else _nothing():
+    with jax.named_scope(f"layer{i}") if scoped else contextlib.nullcontext():
       h = h @ p["w"] + p["b"][None, :]
       if i < len(params) - 1:
         h = jax.nn.relu(h)
   return jnp.mean((h - y) ** 2)
-
-
-class _nothing:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
 
 
 def _dots(jaxpr, out=None):

@@ -105,8 +105,8 @@ def _closed(j):
 
 def sub_jaxprs(eqn) -> list[tuple[int, Any, str | None]]:
   """(sub-jaxpr index, jaxpr, kind) of a container equation the interpreter evaluates;
-  kind None for inline bodies (jit), else scan, while, cond or remat. The indices are the
-  interpreter appends to a container's path (see _interpret._container)."""
+  kind None for inline bodies (jit), else scan, while, cond or remat. The indices are
+  those the interpreter appends to a container's path (see _interpret._container)."""
   name, p = eqn.primitive.name, eqn.params
   if name in ("jit", "pjit", "closed_call", "core_call"):
     return [(0, _closed(p.get("jaxpr", p.get("call_jaxpr")))[0], None)]
