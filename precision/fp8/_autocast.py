@@ -183,7 +183,10 @@ def autocast_value_and_grad(fn: Callable, recipe: Recipe | str, argnums: int | S
   would give them (argnums count `fn`'s own arguments); `new_state` the scaling state
   after the step, forward and gradient operands (`merge_state_grads`). `state` comes
   from `init_state(fn, recipe, *args)`, then from the previous step. Works for every
-  scaling; delayed scaling needs it.
+  scaling; delayed scaling needs it. The state is a plain pytree of f32 arrays: save it
+  with the params, agree it across data-parallel ranks with `sync_fp8_state(state,
+  axis)`, and undo a step the optimizer guard skipped with `rollback_fp8_state(new_state,
+  state, skipped)`.
 
   Examples:
     >>> vg = jax.jit(mp.fp8.autocast_value_and_grad(loss, "fp8_hybrid"))
