@@ -12,6 +12,7 @@ loops and branches, errors, and the CUDA lowering.
 """
 
 import contextlib
+import inspect
 
 import flax.linen as nn
 import jax
@@ -541,6 +542,7 @@ def test_fp8_state_under_plain_jax_value_and_grad():
   params, (x, y) = _params(), _data()
   recipe = _recipe(scaling="delayed", amax_history_len=2)
   g = mp.autocast(mlp_loss, recipe, fp8_state=True)
+  assert list(inspect.signature(g).parameters)[:3] == ["fp8_state", "params", "x"]
   state = g.init_state(params, x, y)
   (value, new), (grads, cts) = jax.jit(jax.value_and_grad(g, (1, 0), has_aux=True))(
       state, params, x, y)

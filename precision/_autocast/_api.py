@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 from typing import Any, Callable, Mapping
 
@@ -388,6 +389,13 @@ def autocast(fn: Callable, policy: Policy | Recipe | str,
 
     with_state.autocast_spec = spec
     with_state.init_state = init_state
+    try:  # the signature shown is fn's with the state first (functools.wraps shows fn's)
+      sig = inspect.signature(fn)
+      state_param = inspect.Parameter("fp8_state", inspect.Parameter.POSITIONAL_ONLY)
+      with_state.__signature__ = sig.replace(
+          parameters=[state_param, *sig.parameters.values()])
+    except (TypeError, ValueError):  # no signature, or fn has a parameter of that name
+      pass
     return with_state
 
   @functools.wraps(fn)
