@@ -523,6 +523,44 @@ def test_delayed_state_per_scan_iteration_and_through_remat():
       np.sum(getattr(state["1"], op).saturated) for op in ("lhs", "rhs", "grad")))
 
 
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return jnp.tanh(nn.Dense(8, name="fc")(h)), None
+
+
+class _ScannedLinen(nn.Module):
+  """Linen's own lifted transforms: nn.scan over nn.remat blocks (stacked params)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(8, name="stem")(x)
+    blocks = nn.scan(nn.remat(_Block), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=3)
+    h, _ = blocks(name="blocks")(h, None)
+    return nn.Dense(2, name="head")(h)
+
+
+def test_delayed_state_for_linen_scan_over_remat_blocks():
+  model, (x, y) = _ScannedLinen(), _data()
+  x, y = x[:, :5], y[:, :2]
+  variables = model.init(jax.random.key(0), x)
+  loss = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
+  sites = mp.fp8.autocast_gemms(loss, "fp8_hybrid", variables, x, y)
+  assert [(s.key, s.fp8) for s in sites] == [
+      ("0:_ScannedLinen/stem", False), ("1:_ScannedLinen/blocks/fc", True),
+      ("2:_ScannedLinen/head", False)]
+  state = mp.fp8.init_state(loss, "fp8_hybrid", variables, x, y)
+  assert state["1:_ScannedLinen/blocks/fc"].rhs.amax_history.shape == (3, 1024)
+  value, grads, state = jax.jit(mp.fp8.autocast_value_and_grad(loss, "fp8_hybrid"))(
+      state, variables, x, y)
+  st = state["1:_ScannedLinen/blocks/fc"]
+  assert np.isfinite(float(value)) and np.all(np.asarray(st.grad.amax_history[:, 0]) > 0)
+  kernel = variables["params"]["blocks"]["fc"]["kernel"]
+  np.testing.assert_allclose(st.rhs.amax_history[:, 0], jnp.max(jnp.abs(kernel), axis=(1, 2)),
+                             rtol=0)  # each layer's own kernel amax, in f32
+
+
 def test_delayed_scaling_trains_and_state_survives_jit():
   params, (x, y) = _params(), _data(n=16)
   vg = jax.jit(mp.fp8.autocast_value_and_grad(mlp_loss, "fp8_hybrid"))
