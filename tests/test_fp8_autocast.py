@@ -321,11 +321,17 @@ def test_convolutions_and_loops():
     h = jax.lax.cond(jnp.sum(x) > 0, lambda h: jnp.tanh(h @ w_loop), jnp.tanh, h)
     return jnp.sum(h @ w_out)
 
-  sites = mp.fp8.autocast_gemms(with_cond, delayed, x)
-  assert not sites[1].fp8 and "cond branch" in sites[1].reason, sites
   assert mp.fp8.autocast_gemms(with_cond, CURRENT, x)[1].fp8
   np.testing.assert_allclose(jax.jit(mp.autocast(with_cond, CURRENT))(x),
                              jax.jit(mp.autocast(with_cond, "bf16_mixed"))(x), rtol=0.1)
+  # Delayed: the branch's GEMM has state; it moves when the branch runs, else stays.
+  assert [s.fp8 for s in mp.fp8.autocast_gemms(with_cond, delayed, x)] == [False, True, False]
+  vg = jax.jit(mp.fp8.autocast_value_and_grad(with_cond, delayed))
+  state = mp.fp8.init_state(with_cond, delayed, x)
+  _, _, taken = vg(state, x)
+  _, _, skipped = vg(state, -x)
+  assert float(taken["1"].lhs.amax_history[0]) > 0 and float(taken["1"].grad.amax_history[0]) > 0
+  _close(skipped, state, 0.0)
 
 
 # ----------------------------------------------------------------------------- Linen

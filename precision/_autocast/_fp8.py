@@ -23,9 +23,9 @@ too), numbered by that order. A site stays in the compute dtype (the policy GEMM
     GEMMs out of fp8 (fp8 attention is out of scope). Weights are the function's inputs
     and constants and what is computed from them alone (casts, reshapes, a weight norm);
   * the scaling state is explicit (`fp8_state=True`) and the site sits in a while-loop
-    body or a cond branch: a while loop has no static trip count to stack per-iteration
-    state over, and a branch's new state would have to come out of every branch; those
-    sites run in the compute dtype and `precision.fp8.autocast_gemms` says so.
+    body: a while loop has no static trip count to stack per-iteration state over
+    (`fori_loop` with static bounds is a scan); those sites run in the compute dtype and
+    `precision.fp8.autocast_gemms` says so.
 
 With explicit state, a site in a scan body has one state per iteration (a scan over
 layers: one per layer, as Transformer Engine keeps one per layer): its state's leaves
@@ -33,7 +33,9 @@ carry the scan length as a leading axis (several for nested scans), sliced into 
 as scanned-over inputs and stacked back as scanned-out results; the gradient operand's
 token goes the same way, so its cotangent comes back stacked too. A site in a remat
 (jax.checkpoint) body gets its state as an argument of the rematerialised function and
-returns the new one as a result.
+returns the new one as a result. The sites of a cond's branches get their states into
+every branch and out of every branch: the taken branch's sites return new state, the
+others pass theirs through unchanged.
 
 Not sites: convolutions (fp8 convolutions are out of scope: they run the policy's
 compute-dtype convolution), GEMMs inside custom_jvp/custom_vjp functions and Pallas
@@ -66,7 +68,7 @@ from precision._autocast import _rules as R
 # body, a "cond" branch, a "remat" (jax.checkpoint) body.
 LOOPS = ("scan", "while")
 # Containers whose sites cannot carry explicit state (see the module docstring).
-_NO_STATE = ("while", "cond")
+_NO_STATE = ("while",)
 
 
 class Site(NamedTuple):
@@ -228,10 +230,8 @@ def decide(env, sites: list[Site], config, stateful: bool) -> list[Decision]:
       out.append(Decision(s, False, "both operands are activations (attention's q.k, p.v): "
                           "no weight operand (compute dtype)"))
     elif stateful and set(_NO_STATE) & set(s.where):
-      kind = next(w for w in s.where if w in _NO_STATE)
-      out.append(Decision(s, False, f"inside a {kind} {'body' if kind == 'while' else 'branch'}"
-                          ": explicit fp8 state is not threaded through while loops or "
-                          "cond branches (compute dtype)"))
+      out.append(Decision(s, False, "inside a while body: explicit fp8 state is not "
+                          "threaded through while loops (compute dtype)"))
     else:
       out.append(Decision(s, True, "fp8"))
   return out

@@ -273,10 +273,7 @@ def _container(env: Env, eqn, invals, prefix: str, path: tuple):
   if name == "cond":
     if p.get("branches_platforms"):
       return _verbatim(eqn, invals)  # lax.platform_dependent: kept per platform as written
-    outs = traced_dtypes(eqn.outvars)
-    branches = [lambda *ops, b=b, k=k: cast_all(run(b, list(ops), k), outs)
-                for k, b in enumerate(p["branches"])]
-    return lax.switch(invals[0], branches, *invals[1:])
+    return _cond(env, eqn, invals, run, path)
   if name in ("remat2", "checkpoint"):
     # Explicit fp8 state of the sites inside: an argument and a result of the
     # rematerialised function (recomputed with it in the backward pass).
@@ -295,6 +292,29 @@ def _container(env: Env, eqn, invals, prefix: str, path: tuple):
   if name == "custom_jvp_call":
     return _custom_jvp(env, eqn, invals, prefix, path)
   raise AssertionError(name)
+
+
+def _cond(env: Env, eqn, invals, run, path: tuple):
+  p = eqn.params
+  out_dtypes = traced_dtypes(eqn.outvars)
+  # Explicit fp8 state of the sites in every branch goes into each branch and comes out
+  # of each: the taken branch's sites return their new state, the others pass theirs
+  # through (and get a zero cotangent: merge_state_grads keeps their gradient state).
+  keys = [key for k in range(len(p["branches"]))
+          for key in _fp8.threaded_keys(env.fp8, path + (k,))]
+
+  def branch(b, k, ops, states):
+    with _fp8.threading(env.fp8, states) as new:
+      outs = cast_all(run(b, list(ops), k), out_dtypes)
+      return outs, {key: new.get(key, states[key]) for key in keys}
+
+  branches = [lambda ops, states, b=b, k=k: branch(b, k, ops, states)
+              for k, b in enumerate(p["branches"])]
+  outs, new_states = lax.switch(invals[0], branches, list(invals[1:]),
+                                {key: env.fp8.state_in[key] for key in keys})
+  if keys:
+    env.fp8.state_out.update(new_states)
+  return outs
 
 
 def _scan(env: Env, eqn, invals, run, path: tuple):

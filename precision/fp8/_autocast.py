@@ -93,16 +93,17 @@ def autocast_gemms(fn: Callable, recipe: Recipe | str | None, *args,
                    overrides: Mapping[Any, Any] | None = None, fp32_ops=None,
                    fp8_state: bool | None = None, **kwargs) -> list[GemmSite]:
   """Every forward dot_general of `fn(*args, **kwargs)` under `recipe`: whether it runs in
-  fp8 and why not (first/last GEMM, a keep_high_precision scope, an override, a loop
-  body under delayed scaling). Traces `fn` at the arguments' shapes; nothing runs.
+  fp8 and why not (first/last GEMM, a keep_high_precision scope, an override, two
+  activation operands, a while-loop body under explicit state). Traces `fn` at the
+  arguments' shapes; nothing runs.
 
   Args:
     fn: the function given to `precision.autocast`, or the autocast function itself
       with `recipe=None` (its recipe and overrides are used).
     recipe: a Recipe with an fp8 config, or a preset name ("fp8_hybrid").
     overrides, fp32_ops: as `precision.autocast` (they decide scopes' policies).
-    fp8_state: as `precision.autocast` (with explicit state, GEMMs in loop bodies,
-      branches and remat stay in the compute dtype); default: True for delayed
+    fp8_state: as `precision.autocast` (with explicit state, GEMMs in while-loop
+      bodies stay in the compute dtype); default: True for delayed
       scaling, else False (or the autocast function's own).
   """
   _, decisions = _decisions(fn, recipe, args, kwargs, overrides, fp32_ops, fp8_state)
