@@ -161,8 +161,14 @@ def _check_keys(path: str, d: Any, cls: type, optional: tuple[str, ...] = ()) ->
                      f"a {cls.__name__} dict needs every field: {', '.join(fields)}")
 
 
-def _config_from_dict(cls: type, d: Any, path: str) -> Any:
-  """A config dataclass from its dict: exact keys, every field set, then validated."""
+def _config_from_dict(cls: type, d: Any, path: str, added: tuple[str, ...] = ()) -> Any:
+  """A config dataclass from its dict: exact keys, every field set, then validated.
+
+  `added` names fields added after dicts were first written: a dict without one of them
+  (written by an earlier version) reads it as its default; every other field is required.
+  """
+  if isinstance(d, dict):
+    d = {**{f.name: f.default for f in dataclasses.fields(cls) if f.name in added}, **d}
   _check_keys(path, d, cls)
   obj = cls.__new__(cls)
   for f in dataclasses.fields(cls):
@@ -273,6 +279,15 @@ class Fp8Config:
   embeddings by default); it is a list of patterns, never a bare string. `margin` in
   [0, 127] (the scale is divided by 2**margin, an f32), `amax_history_len` in [1, 65536].
 
+  `keep_first_last` (default True): under `precision.autocast`, the first and the last
+  GEMM of the traced forward function (with a weight operand, outside loop bodies) stay
+  in the compute dtype whatever their scope is called (the embedding/stem projection and
+  the output head, Transformer Engine's practice), besides the `keep_high_precision`
+  scopes. It selects by position in the
+  traced program, so it applies where a program is traced (`precision.autocast`);
+  `precision.fp8.apply_fp8` on an NNX model selects its layers by path only
+  (`keep_high_precision`). Dicts written before this field existed read it as True.
+
   Examples:
     >>> Fp8Config(scaling="current", keep_high_precision=("*lm_head*",))
   """
@@ -287,6 +302,7 @@ class Fp8Config:
   activation_block: tuple[int, int] = (1, 128)
   weight_block: tuple[int, int] = (128, 128)
   keep_high_precision: tuple[str, ...] = ("*lm_head*", "*embed*")
+  keep_first_last: bool = True
 
   def __post_init__(self):
     self._validate("fp8")
@@ -301,6 +317,8 @@ class Fp8Config:
                                               self.amax_history_len, 1, 65536))
     _set(self, "margin", _check_int(f"{path}.margin", self.margin, 0, 127))
     _set(self, "power_of_two", _check_bool(f"{path}.power_of_two", self.power_of_two))
+    _set(self, "keep_first_last", _check_bool(f"{path}.keep_first_last",
+                                              self.keep_first_last))
     _set(self, "activation_block", _check_pair(f"{path}.activation_block",
                                                self.activation_block, 1, 65536))
     _set(self, "weight_block", _check_pair(f"{path}.weight_block", self.weight_block, 1, 65536))
@@ -320,13 +338,14 @@ class Fp8Config:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any], *, path: str = "fp8") -> Fp8Config:
-    """Schema-strict inverse of `to_dict`: exactly its fields, each validated.
+    """Schema-strict inverse of `to_dict`: exactly its fields, each validated
+    (`keep_first_last` may be absent, in dicts written before it existed: True).
 
     Raises:
       ValueError: naming the field path (e.g. ``fp8.keep_high_precision[0]``), the value
         and what is accepted.
     """
-    return _config_from_dict(cls, d, path)
+    return _config_from_dict(cls, d, path, added=("keep_first_last",))
 
 
 @dataclasses.dataclass(frozen=True)

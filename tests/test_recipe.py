@@ -242,7 +242,20 @@ def _normalised(d):
   if d["fp8"] is not None:
     for k in ("forward_format", "backward_format"):
       d["fp8"][k] = mp.dtype_name(d["fp8"][k])
+    d["fp8"].setdefault("keep_first_last", True)  # a field added later: absent reads True
   return d
+
+
+def test_fp8_dict_written_before_keep_first_last_reads_its_default():
+  d = _preset_dict("fp8_hybrid")
+  del d["fp8"]["keep_first_last"]
+  r = mp.Recipe.from_dict(d)
+  assert r == mp.get_recipe("fp8_hybrid") and r.fp8.keep_first_last is True
+  d["fp8"]["keep_first_last"] = 0
+  with pytest.raises(ValueError, match=r"fp8\.keep_first_last=0; accepted: true or false"):
+    mp.Recipe.from_dict(d)
+  d["fp8"]["keep_first_last"] = False
+  assert mp.Recipe.from_dict(d).to_dict()["fp8"]["keep_first_last"] is False
 
 
 def test_from_dict_fuzz_over_mutated_presets():

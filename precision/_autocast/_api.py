@@ -12,6 +12,10 @@ variables the call changed are written back, so BatchNorm statistics, fp8 scalin
 and RNG counters update as in a plain call and untouched variables are never set),
 and their module paths become name scopes, which `overrides` patterns and
 `precision.audit` read.
+
+A recipe with fp8 GEMMs runs the traced function's forward dot_generals through fp8 (see
+precision._autocast._fp8 for which ones); delayed scaling carries its state explicitly
+(`fp8_state=True`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 from typing import Any, Callable, Mapping
 
@@ -27,18 +32,24 @@ import numpy as np
 
 from precision import _fp32_ops
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
-from precision._recipe import DEFAULT_FP32_OPS, Recipe, get_recipe
+from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, Recipe, get_recipe
+from precision._autocast import _fp8
 from precision._autocast import _overrides
 from precision._autocast import _interpret
 
 
 @dataclasses.dataclass(frozen=True)
 class AutocastSpec:
-  """A policy, its overrides and the ops kept in f32: everything autocast applies.
+  """A policy, its overrides, the ops kept in f32 and the recipe's fp8 GEMMs: everything
+  autocast applies.
 
   Frozen and hashable (NNX keeps it in a module's static graph definition). `recipe` is
   the Recipe the spec was made from (None for a bare policy): a model marked with one
-  recipe and traced under another is refused (see precision.flax.apply_recipe).
+  recipe and traced under another is refused (see precision.flax.apply_recipe). `fp8` is
+  the recipe's Fp8Config when autocast itself runs its fp8 GEMMs (None: no fp8 GEMMs; a
+  model marked by apply_recipe gets them from its fp8 layers instead); `fp8_state`: the
+  scaling state is an explicit argument and result (``g(state, *args) -> (out,
+  new_state)``).
   """
 
   policy: Policy
@@ -46,6 +57,8 @@ class AutocastSpec:
   fp32_ops: tuple[str, ...] = DEFAULT_FP32_OPS
   recompute_f32: bool = True
   recipe: Recipe | None = None
+  fp8: Fp8Config | None = None
+  fp8_state: bool = False
 
   def describe(self) -> str:
     """One line for error messages: recipe (or policy), overrides, fp32 ops if not default.
@@ -74,33 +87,35 @@ class AutocastSpec:
   @classmethod
   def make(cls, policy: Policy | Recipe | str, overrides: Mapping[Any, Any] | None = None,
            fp32_ops=None, *, module_base: type = object,
-           recompute_f32: bool = True) -> AutocastSpec:
+           recompute_f32: bool = True, fp8_state: bool = False) -> AutocastSpec:
     """Validates and builds a spec.
 
     Args:
       policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe, a preset
         recipe name ("bf16_mixed") or a Plan (`precision.bind`): a recipe contributes its
-        policy and fp32_ops, a plan its whole spec (overrides included; it takes no
-        further `overrides` or `fp32_ops`).
+        policy, fp32_ops and fp8 config, a plan its whole spec (overrides included; it
+        takes no further `overrides` or `fp32_ops`) and its recipe's fp8 config.
       overrides: {path pattern or module type: policy} (see precision.autocast).
       fp32_ops: op names kept in f32 (default: the recipe's, else DEFAULT_FP32_OPS).
       recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
         pass instead of saving its f32 intermediates (see precision._autocast._regions).
+      fp8_state: the fp8 scaling state is an explicit argument and result.
     Raises:
       ValueError: a bad policy, override or op name; an fp8 compute dtype (fp8 GEMMs need
-        scaling: an fp8 recipe); a recipe with fp8 GEMMs passed to plain autocast (their
-        scaling state lives in layers: precision.flax.apply_recipe).
+        scaling: an fp8 recipe); a recipe with delayed fp8 scaling without
+        `fp8_state=True` (its amax histories are state); `fp8_state=True` without a recipe
+        with fp8 GEMMs.
     """
     from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
+    if not isinstance(fp8_state, bool):
+      raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
     if isinstance(policy, _plan.Plan):
       plan = _plan.as_plan(policy, overrides, fp32_ops)
-      _refuse_fp8(plan.recipe)
-      return plan.autocast_spec
-    recipe = None
+      return _with_fp8(plan.autocast_spec, plan.recipe, fp8_state, policy)
+    recipe, given = None, policy
     if isinstance(policy, Recipe) or (isinstance(policy, str) and "=" not in policy
                                       and policy in _recipe_names()):
       recipe = get_recipe(policy)
-      _refuse_fp8(recipe)
       policy = recipe.policy
       fp32_ops = recipe.fp32_ops if fp32_ops is None else fp32_ops
     if isinstance(policy, str) and "=" not in policy:
@@ -111,15 +126,17 @@ class AutocastSpec:
             f"{policy!r} is neither a dtype nor a preset recipe; accepted: a policy string "
             f"such as 'p=f32,c=bf16,o=f32', a dtype ({e}), or a preset: "
             f"{', '.join(_recipe_names())}") from e
-    return cls.build(policy, overrides, fp32_ops, module_base=module_base,
+    spec = cls.build(policy, overrides, fp32_ops, module_base=module_base,
                      recompute_f32=recompute_f32, recipe=recipe)
+    return _with_fp8(spec, recipe, fp8_state, given)
 
   @classmethod
   def build(cls, policy: Policy | str, overrides: Mapping[Any, Any] | None = None,
             fp32_ops=None, *, module_base: type = object, recompute_f32: bool = True,
             recipe: Recipe | None = None) -> AutocastSpec:
-    """`make` for a policy (never a recipe name), recording `recipe` as the spec's origin;
-    fp8 recipes are accepted (precision.bind: their fp8 layers come from apply_recipe)."""
+    """`make` for a policy (never a recipe name), recording `recipe` as the spec's origin,
+    without fp8 GEMMs of its own: the spec a Plan keeps and apply_recipe marks an NNX
+    model with (its fp8 GEMMs come from its fp8 layers)."""
     base = get_policy(policy)
     rules = _overrides.parse_overrides(overrides, module_base)
     for where, pol in [("policy", base)] + [(f"override {r.key!r}", r.policy) for r in rules]:
@@ -128,20 +145,38 @@ class AutocastSpec:
         raise ValueError(
             f"{where}: compute dtype {dtype_name(c)} is an fp8 format; fp8 GEMMs need "
             "scaling (an unscaled cast turns 500 into NaN in E4M3): use an fp8 recipe "
-            "(precision.get_recipe('fp8_hybrid') with precision.flax.apply_recipe)")
+            "(precision.get_recipe('fp8_hybrid'), or a Recipe with "
+            "fp8=precision.Fp8Config(...)), whose compute dtype is bf16/f16/f32")
     fp32 = _fp32_ops.check_names(DEFAULT_FP32_OPS if fp32_ops is None else fp32_ops)
     if not isinstance(recompute_f32, bool):
       raise ValueError(f"recompute_f32={recompute_f32!r}; accepted: True or False")
     return cls(base, rules, fp32, recompute_f32, recipe)
 
 
-def _refuse_fp8(recipe: Recipe) -> None:
-  if recipe.fp8 is not None:
+def _with_fp8(spec: AutocastSpec, recipe: Recipe | None, fp8_state: bool,
+              given: Any) -> AutocastSpec:
+  """`spec` running the recipe's fp8 GEMMs itself (autocast of a function)."""
+  fp8 = recipe.fp8 if recipe is not None else None
+  if fp8 is not None and fp8.scaling == "delayed" and fp8_state is not True:
     raise ValueError(
-        f"Recipe {recipe.name!r} has fp8 GEMMs, whose scaling state (amax history, "
-        "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
-        "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
-        "recipe's policy), or autocast(fn, recipe.policy) for the policy alone")
+        f"Recipe {recipe.name!r} scales its fp8 GEMMs with delayed scaling "
+        "(fp8.scaling='delayed'): each GEMM's amax history is state carried from step "
+        "to step, which plain autocast has nowhere to keep. Either carry it: "
+        "g = precision.autocast(fn, recipe, fp8_state=True) with state = "
+        "precision.fp8.init_state(fn, recipe, *args), called as "
+        "g(state, *args) -> (out, new_state) (precision.fp8.autocast_value_and_grad "
+        "does the step); or use a stateless scaling: dataclasses.replace(recipe, "
+        "fp8=precision.Fp8Config(scaling='current')) ('per_channel' and 'block' are "
+        "stateless too)")
+  if fp8_state and fp8 is None:
+    raise ValueError(
+        f"fp8_state=True with {getattr(given, 'name', given)!r}, which has no fp8 GEMMs; "
+        "accepted: a recipe with "
+        "an fp8 config (precision.get_recipe('fp8_hybrid'), or a Recipe(..., "
+        "fp8=precision.Fp8Config(...)))")
+  if fp8 is None and not fp8_state:
+    return spec
+  return dataclasses.replace(spec, fp8=fp8, fp8_state=fp8_state)
 
 
 def _recipe_names():
@@ -215,10 +250,14 @@ def _graph_node_check():
 @dataclasses.dataclass
 class Traced:
   """What one autocast call saw: the outputs, the dtypes the traced program gave them
-  (flat, in tree_leaves order) and the interpreter's record."""
+  (flat, in tree_leaves order), the interpreter's record, and with fp8 GEMMs each site's
+  decision and, when the state is explicit (`spec.fp8_state`), the new scaling state
+  ({site key: Fp8DotState})."""
   outputs: Any
   traced_dtypes: list
   env: _interpret.Env
+  fp8_state: dict | None = None
+  fp8_decisions: list | None = None
 
   def outputs_in_traced_dtypes(self):
     """The outputs with every floating leaf cast back to its traced dtype."""
@@ -228,13 +267,16 @@ class Traced:
 
 def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
         check_overrides: bool = True, root_scope: str = "",
-        module_at: dict | None = None) -> Traced:
+        module_at: dict | None = None, fp8_state: Any = None,
+        evaluate: bool = True) -> Traced:
   """Traces `fn(*args, **kwargs)` and evaluates it under `spec`; NNX graph nodes among the
   arguments are split out, and the variables the call changed are written back after it
   (`_changed_state`).
 
   Returns the raw outputs (dtypes as the policy left them; `autocast` casts them to the
-  output dtype) and the interpreter's record.
+  output dtype) and the interpreter's record. `fp8_state`: the scaling state read by the
+  fp8 sites when `spec.fp8_state` (checked against the sites). `evaluate=False` traces and
+  chooses the fp8 sites only (outputs None; `precision.fp8.init_state`).
   """
   is_node = _graph_node_check()
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
@@ -272,6 +314,12 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(node_state, arrays)
   env = _interpret.Env(spec.policy, spec.rules, spec.fp32_primitives, module_at,
                        module_policy, root=root_scope, recompute_f32=spec.recompute_f32)
+  decisions = None
+  if spec.fp8 is not None:
+    env.fp8, decisions = _fp8.prepare(env, closed.jaxpr, spec.fp8, spec.fp8_state,
+                                      fp8_state, check_state=evaluate)
+  if not evaluate:
+    return Traced(None, [], env, None, decisions)
   in_flat = jax.tree_util.tree_leaves((node_state, arrays))
   outs = _interpret.eval_jaxpr(env, closed.jaxpr, closed.consts, in_flat)
   out_tree = jax.tree_util.tree_structure(out_shape)
@@ -287,7 +335,12 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
     nnx.update(tuple(nodes), new_state)
   if check_overrides:
     _check_overrides(spec, env)
-  return Traced(result, traced_dtypes[:n_result], env)
+  new_fp8 = None
+  if env.fp8 is not None and spec.fp8_state:
+    # Every site is evaluated (a jaxpr holding one is never bound as traced); a key the
+    # evaluation did not reach would keep its state.
+    new_fp8 = {k: env.fp8.state_out.get(k, v) for k, v in env.fp8.state_in.items()}
+  return Traced(result, traced_dtypes[:n_result], env, new_fp8, decisions)
 
 
 def _changed_state(before: Any, after: Any) -> Any:
@@ -345,7 +398,7 @@ def register_scope_hook(hook: Callable) -> None:
 
 def autocast(fn: Callable, policy: Any,
              overrides: Mapping[Any, Any] | None = None, *,
-             fp32_ops=None) -> Callable:
+             fp32_ops=None, fp8_state: bool = False) -> Callable:
   """`fn` under a precision policy: a function with the same signature whose GEMMs run
   on compute-dtype operands with f32 accumulation, forward and backward, whose fp32 ops
   run in f32, and whose floating results are returned in the policy's output dtype.
@@ -365,6 +418,18 @@ def autocast(fn: Callable, policy: Any,
     * explicit casts in `fn` are kept; custom_vjp functions and Pallas kernels run as
       written (their operands in the dtypes they were traced with); jit, scan, while,
       cond, remat and custom_jvp are recursed into (loop carries keep their dtypes).
+    * with a recipe that has fp8 GEMMs (`recipe.fp8`, e.g. "fp8_hybrid"): the forward
+      dot_generals go through `precision.fp8.fp8_dot_general` (operands in E4M3 with
+      their scales, f32 accumulation, result in the compute dtype; backward: the
+      cotangent in E5M2, both gradient GEMMs on fp8 operands, f32 accumulation), except
+      the first and the last GEMM of `fn` (`Fp8Config.keep_first_last`, default on), the
+      scopes matching `Fp8Config.keep_high_precision`, scopes an override gives its own
+      policy, and GEMMs of two activations (attention's q.k and p.v): those run the
+      policy GEMM. Convolutions stay in the compute dtype (fp8 convolutions and fp8
+      attention are not supported). Current, per-channel and block scaling need
+      no state; delayed scaling needs `fp8_state=True`. Which GEMM does what:
+      `precision.fp8.autocast_gemms(fn, recipe, *args)`; the rules in detail:
+      precision._autocast._fp8.
   Params are not cast (their storage dtype is the caller's:
   `precision.flax.apply_policy` casts an NNX model's params to the param dtype).
 
@@ -379,6 +444,16 @@ def autocast(fn: Callable, policy: Any,
       traced in ("blocks/0/mlp", "*lm_head*"; NNX module paths and jax.named_scope names);
       the deepest matching scope decides. A pattern that matches no scope raises.
     fp32_ops: op names kept in f32 (precision.DEFAULT_FP32_OPS, the recipe's by default).
+    fp8_state: for a recipe with fp8 GEMMs: the scaling state is an explicit argument and
+      result. The wrapped function is then ``g(state, *args, **kwargs) -> (out,
+      new_state)``, `state` a dict {site key: precision.fp8.Fp8DotState} from
+      `precision.fp8.init_state(fn, recipe, *args)` or ``g.init_state(*args)``.
+      `new_state` holds the forward operands' new amax histories, scales and counters;
+      its gradient-operand fields pass `state`'s through, and their new values are the
+      cotangent of `state`: differentiate with respect to `state` too and combine with
+      `precision.fp8.merge_state_grads` (`precision.fp8.autocast_value_and_grad` does
+      both). Required for delayed scaling; allowed for every scaling (the state then
+      records each GEMM's last amax, scale, saturation and underflow counts).
   Returns:
     The wrapped function.
 
@@ -387,8 +462,39 @@ def autocast(fn: Callable, policy: Any,
     ...   h = jax.nn.gelu(x @ params["w1"] + params["b1"])
     ...   return jnp.mean((h @ params["w2"] - y) ** 2)
     >>> loss, grads = jax.value_and_grad(mp.autocast(loss_fn, "bf16_mixed"))(params, x, y)
+    >>> fp8 = mp.Recipe("fp8_current", "p=f32,c=bf16,o=f32",
+    ...                 fp8=mp.Fp8Config(scaling="current"))
+    >>> loss, grads = jax.value_and_grad(mp.autocast(loss_fn, fp8))(params, x, y)
+    >>> g = mp.autocast(loss_fn, "fp8_hybrid", fp8_state=True)   # delayed scaling
+    >>> state = g.init_state(params, x, y)
+    >>> (loss, new), (grads, cts) = jax.value_and_grad(g, (1, 0), has_aux=True)(
+    ...     state, params, x, y)
+    >>> state = mp.fp8.merge_state_grads(new, cts)
   """
-  spec = AutocastSpec.make(policy, overrides, fp32_ops)
+  spec = AutocastSpec.make(policy, overrides, fp32_ops, fp8_state=fp8_state)
+
+  def init_state(*args, **kwargs):
+    """{site key: Fp8DotState}, fresh (zero histories, unit scales), for the fp8 GEMMs
+    `fn(*args, **kwargs)` has at these arguments' shapes and dtypes (nothing runs)."""
+    decisions = run(spec, fn, args, kwargs, evaluate=False).fp8_decisions
+    return _fp8.init_states(spec.fp8, decisions)
+
+  if spec.fp8_state:
+    @functools.wraps(fn)
+    def with_state(state, *args, **kwargs):
+      traced = run(spec, fn, args, kwargs, fp8_state=state)
+      return cast_floating(traced.outputs, spec.policy.output_dtype), traced.fp8_state
+
+    with_state.autocast_spec = spec
+    with_state.init_state = init_state
+    try:  # the signature shown is fn's with the state first (functools.wraps shows fn's)
+      sig = inspect.signature(fn)
+      state_param = inspect.Parameter("fp8_state", inspect.Parameter.POSITIONAL_ONLY)
+      with_state.__signature__ = sig.replace(
+          parameters=[state_param, *sig.parameters.values()])
+    except (TypeError, ValueError):  # no signature, or fn has a parameter of that name
+      pass
+    return with_state
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):

@@ -19,6 +19,7 @@ from jax import lax
 
 from precision import _compat
 from precision._policy import Policy
+from precision._autocast import _fp8
 from precision._autocast import _overrides
 from precision._autocast import _regions
 from precision._autocast import _rules as R
@@ -39,6 +40,7 @@ class Env:
   module_policy: dict = dataclasses.field(default_factory=dict)  # scope -> Policy
   root: str = ""   # a leading scope every op carries (Linen: the root module's class name)
   recompute_f32: bool = True  # f32 glue regions recomputed in backward (see _regions)
+  fp8: Any = None   # _fp8.Fp8Run: the dot_generals that run in fp8 (by path), their state
   seen_scopes: set = dataclasses.field(default_factory=set)
   matched: set = dataclasses.field(default_factory=set)
   _policies: dict = dataclasses.field(default_factory=dict)
@@ -83,8 +85,11 @@ def _read(env_vals: dict, v) -> Any:
   return env_vals[v]
 
 
-def eval_jaxpr(env: Env, jaxpr, consts, args, prefix: str = "") -> list:
-  """The outputs of `jaxpr` on `args` with every equation under the policy."""
+def eval_jaxpr(env: Env, jaxpr, consts, args, prefix: str = "", path: tuple = ()) -> list:
+  """The outputs of `jaxpr` on `args` with every equation under the policy.
+
+  `path` locates `jaxpr` in the root program: equation indices, each container's followed
+  by the index of its sub-jaxpr (`_fp8.sub_jaxprs`); fp8 sites are chosen by path."""
   vals: dict = {}
   for v, x in zip(jaxpr.constvars, consts):
     vals[v] = x
@@ -98,15 +103,15 @@ def eval_jaxpr(env: Env, jaxpr, consts, args, prefix: str = "") -> list:
     due.setdefault(r.at, []).append(r)
   for i, eqn in enumerate(jaxpr.eqns):
     for r in due.get(i, ()):
-      _eval_region(env, [jaxpr.eqns[k] for k in r.members], r, vals, prefix)
+      _eval_region(env, jaxpr.eqns, r, vals, prefix, path)
     if i not in deferred:
-      _eval_eqn(env, eqn, vals, prefix)
+      _eval_eqn(env, eqn, vals, prefix, path + (i,))
   for r in due.get(len(jaxpr.eqns), ()):
-    _eval_region(env, [jaxpr.eqns[k] for k in r.members], r, vals, prefix)
+    _eval_region(env, jaxpr.eqns, r, vals, prefix, path)
   return [_read(vals, v) for v in jaxpr.outvars]
 
 
-def _eval_eqn(env: Env, eqn, vals: dict, prefix: str) -> None:
+def _eval_eqn(env: Env, eqn, vals: dict, prefix: str, path: tuple) -> None:
   invals = [_read(vals, v) for v in eqn.invars]
   raw = str(eqn.source_info.name_stack)
   scope, backward = R.scope_of(_join(prefix, raw))
@@ -117,7 +122,7 @@ def _eval_eqn(env: Env, eqn, vals: dict, prefix: str) -> None:
     own = _compat.without_leading_scope(own, env.root)
   name_stack = _compat.current_name_stack() + own
   with _compat.user_context(eqn.source_info.traceback, name_stack), _compat.eqn_context(eqn):
-    outs = _apply(env, eqn, invals, _join(prefix, raw), scope, backward)
+    outs = _apply(env, eqn, invals, _join(prefix, raw), scope, backward, path)
   if not eqn.primitive.multiple_results:
     outs = [outs]
   for v, x in zip(eqn.outvars, outs):
@@ -129,14 +134,14 @@ def _below_f32_at(env: Env, eqn, prefix: str) -> bool:
   return R.below_f32(env.policy_at(scope).compute_dtype)
 
 
-def _eval_region(env: Env, eqns, region, vals: dict, prefix: str) -> None:
-  """Evaluates a glue region under jax.checkpoint: the backward pass keeps its inputs and
-  recomputes the rest (see _regions)."""
+def _eval_region(env: Env, eqns, region, vals: dict, prefix: str, path: tuple) -> None:
+  """Evaluates a glue region (members of `eqns`) under jax.checkpoint: the backward pass
+  keeps its inputs and recomputes the rest (see _regions)."""
 
   def fn(*inputs):
     local = dict(zip(region.inputs, inputs))
-    for eqn in eqns:
-      _eval_eqn(env, eqn, local, prefix)
+    for k in region.members:
+      _eval_eqn(env, eqns[k], local, prefix, path + (k,))
     return [local[v] for v in region.outputs]
 
   outs = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)(
@@ -164,9 +169,11 @@ def _verbatim(eqn, invals):
   return _compat.bind_eqn(eqn, cast_all(invals, traced_dtypes(eqn.invars)))
 
 
-def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool):
+def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path: tuple):
   name = eqn.primitive.name
   dts = [R.dtype_of(x) for x in invals]
+  if env.fp8 is not None and path in env.fp8.selected:
+    return _fp8.dot(env, eqn, invals, path)
   if name in R.GEMMS:
     plan = R.gemm_plan(eqn, dts[0], dts[1], env.policy_at(scope).compute_dtype, backward)
     if plan is None:
@@ -182,7 +189,7 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool):
     ups = [R.cast(x, _F32) if R.below_f32(d) else x for x, d in zip(invals, dts)]
     return _compat.bind_eqn(eqn, ups)
   if name in R.CONTAINERS:
-    return _container(env, eqn, invals, prefix)
+    return _container(env, eqn, invals, prefix, path)
   if name in R.PROMOTING:
     return _compat.bind_eqn(eqn, R.promote_operands(eqn, invals))
   if name in R.POLYMORPHIC:
@@ -228,6 +235,10 @@ def changes(env: Env, jaxpr, prefix: str, jvp_rules: bool = True) -> bool:
       if name in R.GEMMS:
         found = R.gemm_plan(eqn, dts[0], dts[1], env.policy_at(scope).compute_dtype,
                             backward) is not None
+        # An fp8 site (chosen by path, which this memoised walk does not know): a jaxpr
+        # holding any candidate is evaluated, not bound as traced, while some site is fp8.
+        found = found or bool(env.fp8 is not None and env.fp8.selected
+                              and _fp8.is_candidate(eqn))
       elif name in env.fp32_primitives:
         found = R.f32_plan(d for d in dts if d is not None)
       elif name in R.CONTAINERS:
@@ -245,46 +256,89 @@ def _same_dtypes(eqn, invals) -> bool:
              if hasattr(v.aval, "dtype") and hasattr(x, "dtype"))
 
 
-def _container(env: Env, eqn, invals, prefix: str):
+def _container(env: Env, eqn, invals, prefix: str, path: tuple):
   name, p = eqn.primitive.name, eqn.params
   if _same_dtypes(eqn, invals) and not any(changes(env, s, prefix) for s in _subjaxprs(eqn)):
     if name != "custom_jvp_call" or not changes(env, _custom_jvp_rule(eqn)[0], prefix,
                                                 jvp_rules=False):
       return _compat.bind_eqn(eqn, invals)
-  run = lambda j, args: eval_jaxpr(env, *_closed(j), args, prefix)
+  # Sub-jaxpr k is evaluated at path + (k,): the numbering of _fp8.sub_jaxprs.
+  run = lambda j, args, k=0: eval_jaxpr(env, *_closed(j), args, prefix, path + (k,))
   if name in ("jit", "pjit", "closed_call", "core_call"):
     return run(p.get("jaxpr", p.get("call_jaxpr")), invals)
   if name == "scan":
-    return _scan(eqn, invals, run)
+    return _scan(env, eqn, invals, run, path)
   if name == "while":
     return _while(eqn, invals, run)
   if name == "cond":
     if p.get("branches_platforms"):
       return _verbatim(eqn, invals)  # lax.platform_dependent: kept per platform as written
-    outs = traced_dtypes(eqn.outvars)
-    branches = [lambda *ops, b=b: cast_all(run(b, list(ops)), outs) for b in p["branches"]]
-    return lax.switch(invals[0], branches, *invals[1:])
+    return _cond(env, eqn, invals, run, path)
   if name in ("remat2", "checkpoint"):
-    fn = lambda *args: run(p["jaxpr"], list(args))
-    return jax.checkpoint(fn, prevent_cse=p.get("prevent_cse", True),
-                          policy=p.get("policy"))(*invals)
+    # Explicit fp8 state of the sites inside: an argument and a result of the
+    # rematerialised function (recomputed with it in the backward pass).
+    keys = _fp8.threaded_keys(env.fp8, path + (0,))
+
+    def fn(args, states):
+      with _fp8.threading(env.fp8, states) as new:
+        return run(p["jaxpr"], list(args)), {k: new[k] for k in keys}
+
+    outs, new_states = jax.checkpoint(fn, prevent_cse=p.get("prevent_cse", True),
+                                      policy=p.get("policy"))(
+                                          list(invals), {k: env.fp8.state_in[k] for k in keys})
+    if keys:
+      env.fp8.state_out.update(new_states)
+    return outs
   if name == "custom_jvp_call":
-    return _custom_jvp(env, eqn, invals, prefix)
+    return _custom_jvp(env, eqn, invals, prefix, path)
   raise AssertionError(name)
 
 
-def _scan(eqn, invals, run):
+def _cond(env: Env, eqn, invals, run, path: tuple):
+  p = eqn.params
+  out_dtypes = traced_dtypes(eqn.outvars)
+  # Explicit fp8 state of the sites in every branch goes into each branch and comes out
+  # of each: the taken branch's sites return their new state, the others pass theirs
+  # through (and get a zero cotangent: merge_state_grads keeps their gradient state).
+  keys = [key for k in range(len(p["branches"]))
+          for key in _fp8.threaded_keys(env.fp8, path + (k,))]
+
+  def branch(b, k, ops, states):
+    with _fp8.threading(env.fp8, states) as new:
+      outs = cast_all(run(b, list(ops), k), out_dtypes)
+      return outs, {key: new.get(key, states[key]) for key in keys}
+
+  branches = [lambda ops, states, b=b, k=k: branch(b, k, ops, states)
+              for k, b in enumerate(p["branches"])]
+  outs, new_states = lax.switch(invals[0], branches, list(invals[1:]),
+                                {key: env.fp8.state_in[key] for key in keys})
+  if keys:
+    env.fp8.state_out.update(new_states)
+  return outs
+
+
+def _scan(env: Env, eqn, invals, run, path: tuple):
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
   consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
   carry_dtypes = traced_dtypes(eqn.invars[nc:nc + nk])
+  # Explicit fp8 state of the sites in the body: one per iteration, scanned over (its
+  # leading axis) and scanned out, the gradient state's token included.
+  keys = _fp8.threaded_keys(env.fp8, path + (0,))
 
   def body(carry, x):
-    outs = run(p["jaxpr"], [*consts, *carry, *x])
-    return cast_all(outs[:nk], carry_dtypes), outs[nk:]
+    x, states = x
+    with _fp8.threading(env.fp8, states) as new:
+      outs = run(p["jaxpr"], [*consts, *carry, *x])
+      new_states = {k: new[k] for k in keys}
+    return cast_all(outs[:nk], carry_dtypes), (outs[nk:], new_states)
 
-  carry, ys = lax.scan(body, cast_all(init, carry_dtypes), xs, length=p["length"],
-                       reverse=p["reverse"], unroll=p["unroll"])
+  states = {k: env.fp8.state_in[k] for k in keys}
+  carry, (ys, new_states) = lax.scan(body, cast_all(init, carry_dtypes), (xs, states),
+                                     length=p["length"], reverse=p["reverse"],
+                                     unroll=p["unroll"])
+  if keys:
+    env.fp8.state_out.update(new_states)
   return [*carry, *ys]
 
 
@@ -293,8 +347,8 @@ def _while(eqn, invals, run):
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
   cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
   carry_dtypes = traced_dtypes(eqn.invars[cn + bn:])
-  cond = lambda c: run(p["cond_jaxpr"], [*cconsts, *c])[0]
-  body = lambda c: cast_all(run(p["body_jaxpr"], [*bconsts, *c]), carry_dtypes)
+  cond = lambda c: run(p["cond_jaxpr"], [*cconsts, *c], 0)[0]
+  body = lambda c: cast_all(run(p["body_jaxpr"], [*bconsts, *c], 1), carry_dtypes)
   return lax.while_loop(cond, body, cast_all(init, carry_dtypes))
 
 
@@ -315,7 +369,7 @@ def _custom_jvp_rule(eqn):
   return hit[1], hit[2]
 
 
-def _custom_jvp(env: Env, eqn, invals, prefix: str):
+def _custom_jvp(env: Env, eqn, invals, prefix: str, path: tuple):
   """A custom_jvp call rebuilt around the policy: primal and JVP rule both evaluated by the
   interpreter; tangents returned in the primal outputs' dtypes. Integer operands keep the
   call as written."""
@@ -326,12 +380,13 @@ def _custom_jvp(env: Env, eqn, invals, prefix: str):
 
   @jax.custom_jvp
   def f(*args):
-    return eval_jaxpr(env, *_closed(call), list(args), prefix)
+    # Paths under a custom_jvp are marked off: no fp8 site lies in one (_fp8.sub_jaxprs).
+    return eval_jaxpr(env, *_closed(call), list(args), prefix, path + ("jvp",))
 
   @f.defjvp
   def f_jvp(primals, tangents):
     jaxpr, consts = _custom_jvp_rule(eqn)
-    res = eval_jaxpr(env, jaxpr, consts, [*primals, *tangents], prefix)
+    res = eval_jaxpr(env, jaxpr, consts, [*primals, *tangents], prefix, path + ("jvp_rule",))
     primal_out = f(*primals)
     tangent_out = [R.cast(t, R.dtype_of(y)) for t, y in zip(res[n_out:], primal_out)]
     return primal_out, tangent_out

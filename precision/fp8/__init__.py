@@ -5,7 +5,10 @@ E5M2, every GEMM on fp8 operands with f32 accumulation), its scaling recipes, th
 state as NNX Variables (`Fp8State`, `Fp8GradState`) or Linen collections, `apply_fp8` to
 route a model's Linear/Einsum GEMMs through it, `value_and_grad` to carry the gradient
 operand's state out of a step, `rollback_fp8_state` to undo a step the optimizer guard
-skipped, `fp8_metrics` and `sync_fp8_state`.
+skipped, `fp8_metrics` and `sync_fp8_state`. For any JAX function (plain JAX, Linen applied
+inside a function, other libraries): `precision.autocast(fn, recipe)` with an fp8
+recipe, `init_state` / `merge_state_grads` / `autocast_value_and_grad` for the scaling
+state of delayed scaling, `autocast_gemms` for which GEMMs run in fp8.
 
 Examples:
   >>> import jax.numpy as jnp, precision as mp
@@ -18,6 +21,11 @@ Examples:
   dtype(bfloat16)
 """
 
+from precision.fp8._autocast import GemmSite
+from precision.fp8._autocast import autocast_gemms
+from precision.fp8._autocast import autocast_value_and_grad
+from precision.fp8._autocast import init_state
+from precision.fp8._autocast import merge_state_grads
 from precision.fp8._dot import Fp8DotState
 from precision.fp8._dot import Fp8Spec
 from precision.fp8._dot import fp8_dot_general
@@ -52,17 +60,22 @@ __all__ = [
     "Fp8Spec",
     "Fp8State",
     "GRAD_COLLECTION",
+    "GemmSite",
     "LinenFp8DotGeneral",
     "OperandRecipe",
     "OperandState",
     "STATE_COLLECTION",
     "apply_fp8",
+    "autocast_gemms",
+    "autocast_value_and_grad",
     "einsum_dimension_numbers",
     "fp8_dot_general",
     "fp8_metrics",
     "fp8_modules",
+    "init_state",
     "merge_grad_state",
     "merge_fp8_grad_state",
+    "merge_state_grads",
     "quantize",
     "rollback_fp8_state",
     "scale_from_amax",

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from precision.fp8._dot import OPERANDS
+from precision.fp8._dot import OPERANDS, Fp8DotState
 from precision.fp8._nnx import fp8_modules
 
 _MAX_REDUCED = ("amax_history", "scale")
@@ -16,28 +16,35 @@ _SUM_REDUCED = ("saturated", "underflowed")
 
 
 def fp8_metrics(module: Any) -> dict[str, jax.Array]:
-  """Counters and scales of every fp8 GEMM in an NNX module, as f32 scalars.
+  """Counters and scales of every fp8 GEMM in an NNX module, or in the fp8 state of an
+  autocast function ({site key: Fp8DotState}, `precision.fp8.init_state`), as f32 scalars.
 
-  Keys: ``"{layer path}/{op}_{stat}"`` for op in lhs, rhs, grad and stat in
+  Keys: ``"{layer path or site key}/{op}_{stat}"`` for op in lhs, rhs, grad and stat in
   saturated (elements clipped to the fp8 max at the last step), underflowed (nonzero
   elements that became zero), amax (the last step's per-tensor amax), scale (the scale
   used); plus totals ``"fp8/saturated"``, ``"fp8/underflowed"`` and ``"fp8/gemms"``.
-  Gradient entries are those of the last step run through `precision.fp8.value_and_grad`.
+  A site in a scan body (state per iteration) reports its iterations' sum of counts and
+  max of amax and scale. Gradient entries are those of the last step whose gradient
+  state was stored (`precision.fp8.value_and_grad`, `merge_state_grads`).
   Safe inside jit (no host sync): values are arrays.
   """
   out: dict[str, jax.Array] = {}
   total = {k: jnp.zeros((), jnp.float32) for k in _SUM_REDUCED}
-  mods = fp8_modules(module)
-  for name, m in mods:
+  if isinstance(module, Mapping) and all(isinstance(v, Fp8DotState) for v in module.values()):
+    mods = [(key, lambda op, st=st: getattr(st, op)) for key, st in module.items()]
+  else:
+    # pylint: disable-next=protected-access
+    mods = [(name, m._operand_state) for name, m in fp8_modules(module)]
+  for name, state_of in mods:
     prefix = f"{name}/" if name else ""
     for op in OPERANDS:
-      st = m._operand_state(op)  # pylint: disable=protected-access
-      out[f"{prefix}{op}_saturated"] = st.saturated
-      out[f"{prefix}{op}_underflowed"] = st.underflowed
-      out[f"{prefix}{op}_amax"] = st.amax_history[0]
-      out[f"{prefix}{op}_scale"] = st.scale
-      total["saturated"] = total["saturated"] + st.saturated
-      total["underflowed"] = total["underflowed"] + st.underflowed
+      st = state_of(op)
+      out[f"{prefix}{op}_saturated"] = jnp.sum(st.saturated)
+      out[f"{prefix}{op}_underflowed"] = jnp.sum(st.underflowed)
+      out[f"{prefix}{op}_amax"] = jnp.max(st.amax_history[..., 0])
+      out[f"{prefix}{op}_scale"] = jnp.max(st.scale)
+      total["saturated"] = total["saturated"] + out[f"{prefix}{op}_saturated"]
+      total["underflowed"] = total["underflowed"] + out[f"{prefix}{op}_underflowed"]
   out["fp8/saturated"] = total["saturated"]
   out["fp8/underflowed"] = total["underflowed"]
   out["fp8/gemms"] = jnp.asarray(len(mods), jnp.float32)
