@@ -59,6 +59,8 @@ def test_every_recipe_gets_a_verdict(studied):
   assert summary["timing"]["ratio_to_control"]["fp32"] == 1.0
   md = open(os.path.join(out, "summary.md")).read()
   assert "fp8: the first and last GEMM" in md
+  # fp8 really ran (its middle GEMM in E4M3/E5M2): other numbers than bf16_mixed's.
+  assert rows["fp8_hybrid"]["deltas"] != rows["bf16_mixed"]["deltas"]
 
 
 def test_results_hold_every_step_of_every_cell(studied):

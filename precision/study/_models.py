@@ -264,49 +264,89 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
     module, variables = model
     variables = unfreeze(variables)
     f32_params = variables["params"]
-    model_state = {k: v for k, v in variables.items() if k != "params"}
+    collections = {k: v for k, v in variables.items() if k != "params"}
   else:
-    module, f32_params, model_state = None, model, {}
+    module, f32_params, collections = None, model, {}
   _check_f32(kind, f32_params)
   params = recipe.policy.cast_to_param(f32_params)
   streams = task.rng_streams
+  has_fp8 = recipe.fp8 is not None
 
-  def loss_of(params, model_state, batch, rng):
+  def loss_of(params, collections, batch, rng, scale):
+    # The loss in f32 times the optimizer's loss scale (1 without loss scaling), so the
+    # gradients arrive in the units the recipe's guard divides back out.
     if module is None:
-      return task.loss(params, batch), model_state
-    m = LinenModel(module, params, model_state, rng, training=True, streams=streams)
-    loss = task.loss(m, batch)
-    return loss, m.state
+      loss, new = task.loss(params, batch), collections
+    else:
+      m = LinenModel(module, params, collections, rng, training=True, streams=streams)
+      loss = task.loss(m, batch)
+      new = m.state
+    loss = jnp.asarray(loss).astype(_F32)
+    return loss * scale, (loss, new)
 
-  loss_under_recipe = _autocast.autocast(loss_of, plan)
+  def eval_loss(params, collections, batch):
+    if module is None:
+      return jnp.asarray(task.loss(params, batch), _F32)
+    m = LinenModel(module, params, collections, None, training=False, streams=streams)
+    return jnp.asarray(task.loss(m, batch), _F32)
+
+  # fp8 recipes run their GEMMs through autocast with the scaling state explicit (delayed
+  # scaling keeps amax histories): model_state is then {"collections", "fp8"}.
+  if has_fp8:
+    # The fp8 entry points take the plan's recipe and overrides (the same GEMM choice).
+    overrides = dict(plan.overrides) or None
+    vg = mp_fp8.autocast_value_and_grad(loss_of, recipe, has_aux=True, overrides=overrides)
+    example = next(iter(task.batches(seed)))
+    fp8_state0 = mp_fp8.init_state(loss_of, recipe, params, collections, example,
+                                   jax.random.key(0), jnp.ones((), _F32),
+                                   overrides=overrides)
+    model_state = {"collections": collections, "fp8": fp8_state0}
+  else:
+    vg = jax.value_and_grad(_autocast.autocast(loss_of, plan), has_aux=True)
+    model_state = collections
 
   def step(state: TrainState, batch: Any, t: jax.Array):
     # Common random numbers: the key of step t depends on the seed and t only.
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), t)
-    (loss, new_model_state), grads = value_and_grad(
-        loss_under_recipe, state.opt_state, has_aux=True)(
-            state.params, state.model_state, batch, rng)
+    scale = optim.loss_scale_of(state.opt_state)
+    if has_fp8:
+      fp8_old = state.model_state["fp8"]
+      (_, (loss, new_coll)), grads, fp8_new = vg(
+          fp8_old, state.params, state.model_state["collections"], batch, rng, scale)
+    else:
+      (_, (loss, new_coll)), grads = vg(state.params, state.model_state, batch, rng, scale)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optim.apply_updates(state.params, updates)
+    sat = None
+    if has_fp8:
+      # A step the guard skipped leaves the fp8 state as it was, as params and moments.
+      fp8_new = mp_fp8.rollback_fp8_state(fp8_new, fp8_old,
+                                          optim.step_skipped(state.opt_state, opt_state))
+      new_model_state = {"collections": new_coll, "fp8": fp8_new}
+      sat = mp_fp8.fp8_metrics(fp8_new)["fp8/saturated"]
+    else:
+      new_model_state = new_coll
     return (state._replace(params=params, opt_state=opt_state, model_state=new_model_state),
-            _metrics(opt_state, loss, None))
+            _metrics(opt_state, loss, sat))
+
+  def collections_of(s):
+    return s.model_state["collections"] if has_fp8 else s.model_state
 
   if held_out is not None:
-    def eval_loss(params, model_state, batch):
-      if module is None:
-        return jnp.asarray(task.loss(params, batch), _F32)
-      m = LinenModel(module, params, model_state, None, training=False, streams=streams)
-      return jnp.asarray(task.loss(m, batch), _F32)
-
-    eval_jit = jax.jit(_autocast.autocast(eval_loss, plan))
-    evaluate = lambda s: _mean([float(eval_jit(s.params, s.model_state, b))
-                                for b in held_out])
+    if has_fp8:
+      eval_fp8 = jax.jit(_autocast.autocast(eval_loss, plan, fp8_state=True))
+      eval_jit = lambda s, b: eval_fp8(s.model_state["fp8"], s.params, collections_of(s),
+                                       b)[0]
+    else:
+      eval_plain = jax.jit(_autocast.autocast(eval_loss, plan))
+      eval_jit = lambda s, b: eval_plain(s.params, s.model_state, b)
+    evaluate = lambda s: _mean([float(eval_jit(s, b)) for b in held_out])
   elif module is None:
     evaluate = lambda s: float(task.evaluate(s.params))
   else:
     evaluate = lambda s: float(task.evaluate(LinenModel(
-        module, s.params, s.model_state, None, training=False, streams=streams,
-        recipe=plan)))
+        module, s.params, collections_of(s), None, training=False, streams=streams,
+        recipe=None if has_fp8 else plan)))
   state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(model_state),
                      _rng_data(seed))
   n = int(sum(x.size for x in jax.tree.leaves(params)))

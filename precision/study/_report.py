@@ -248,7 +248,8 @@ def markdown(rows: dict[str, dict], cfg, judging: Judging, study: dict, costs: d
   if cfg.aa:
     lines.append(f"- `{cfg.control}-aa` is the control trained again on other seeds, "
                  "paired with the control: a recipe equal to the control by construction "
-                 "(its verdict should be \"no difference detected\").")
+                 "(its verdict should be \"no difference detected\"); it counts in Holm's "
+                 "family like the recipes.")
   kept = study.get("fp8_kept_by_role") or []
   if any(r.fp8 is not None for r in cfg.recipes):
     lines.append("- fp8: the first and last GEMM of the model stay in the compute dtype "

@@ -19,6 +19,7 @@ class Net(nn.Module):
     x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
     x = nn.relu(x)
     x = x.reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(32)(x))
     x = nn.Dense(32)(x)
     x = nn.Dropout(0.1, deterministic=not train)(x)
     x = nn.relu(x)
