@@ -153,6 +153,23 @@ class AutocastSpec:
     return cls(base, rules, fp32, recompute_f32, recipe)
 
 
+def refuse_fp8_recipe(policy: Any, where: str) -> None:
+  """Raises for an fp8 recipe (or a plan of one) given where only a policy applies: a
+  model marked by apply_policy / linen_policy gets no fp8 layers (apply_recipe does)."""
+  from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
+  recipe = policy.recipe if isinstance(policy, _plan.Plan) else (
+      get_recipe(policy) if isinstance(policy, Recipe) or (
+          isinstance(policy, str) and "=" not in policy and policy in _recipe_names())
+      else None)
+  if recipe is not None and recipe.fp8 is not None:
+    raise ValueError(
+        f"{where}: recipe {recipe.name!r} has fp8 GEMMs, whose scaling state (amax history, "
+        "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
+        "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
+        "recipe's policy), precision.autocast(fn, recipe) on a function, or "
+        f"{where}(..., recipe.policy) for the policy alone")
+
+
 def _with_fp8(spec: AutocastSpec, recipe: Recipe | None, fp8_state: bool,
               given: Any) -> AutocastSpec:
   """`spec` running the recipe's fp8 GEMMs itself (autocast of a function)."""

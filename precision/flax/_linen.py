@@ -131,6 +131,7 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Policy | str] | None = Non
     >>> with linen_policy(precision.bind("bf16_mixed", overrides={"head": "f32"})):
     ...   logits = model.apply(variables, x)
   """
+  _api.refuse_fp8_recipe(policy, "linen_policy")
   spec = _api.AutocastSpec.make(policy, overrides, fp32_ops, module_base=nn.Module)
   matched: set = set()
   seen: set = set()

@@ -178,6 +178,7 @@ def apply_policy(module: nnx.Module, policy: Any,
   """
   if not isinstance(module, nnx.Module):
     raise ValueError(f"apply_policy expects an nnx.Module, got {type(module).__name__}")
+  _api.refuse_fp8_recipe(policy, "apply_policy")
   spec = _api.AutocastSpec.make(policy, overrides, fp32_ops, module_base=nnx.Module)
   return mark(module, spec)
 
