@@ -13,6 +13,7 @@ from precision import checkpoint
 from precision import flax
 from precision import formats
 from precision import fp8
+from precision import numerics
 from precision import optim
 from precision import ops
 from precision import parallel
@@ -76,6 +77,7 @@ __all__ = [
     "fp8",
     "get_policy",
     "get_recipe",
+    "numerics",
     "ops",
     "parallel",
     "parse_dtype",
