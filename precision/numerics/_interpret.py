@@ -7,8 +7,9 @@ Each value carries a little metadata (`_Meta`) alongside it:
   * `bwd`: produced by an equation of the backward pass (its name stack is under JAX's
     `transpose(...)`) that is not a recomputation of the forward (`rematted_computation`,
     from jax.checkpoint or autocast's recomputed f32 regions): a cotangent or a value
-    derived from one. Casts and layout ops (transpose, reshape) keep their input's
-    origin, so a forward residual cast to bf16 inside the backward pass stays forward;
+    derived from one. Casts and ops that only move values (transpose, reshape, rev, pad,
+    slice, broadcast) keep their input's origin, so a forward residual cast to bf16 or
+    flipped (a conv kernel) inside the backward pass stays forward;
   * `pending`: the GEMM whose f32 accumulator this is, until a convert rounds it (its
     "out" row then states that rounding) or the program ends (the accumulator is stored).
 Metadata crosses sub-jaxpr boundaries (pjit, closed_call, remat, custom_jvp/vjp, cond,
@@ -40,6 +41,11 @@ from precision.numerics import _stats
 GEMMS = ("dot_general", "conv_general_dilated")
 # Layout-only ops an accumulator may pass through before the program rounds it.
 _LAYOUT = ("transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p")
+# Ops that only move (or re-round) the values of their first operand: their result keeps
+# its origin (forward or backward). A conv's backward flips its kernel with `rev` inside
+# the backward pass; the flipped kernel is still a forward residual, not a cotangent.
+_KEEP_ORIGIN = _LAYOUT + ("rev", "pad", "slice", "dynamic_slice", "broadcast_in_dim",
+                          "reduce_precision")
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint",
           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 _RECOMPUTED = "rematted_computation"
@@ -158,8 +164,9 @@ class Recorder:
       if _narrows(old, new):
         return outs, [_Meta(pre=src, bwd=m.bwd)]
       return outs, [_Meta(bwd=m.bwd)]
-    if name in _LAYOUT and inmetas:
-      return outs, [_Meta(bwd=inmetas[0].bwd, pending=inmetas[0].pending)]
+    if name in _KEEP_ORIGIN and inmetas:
+      pending = inmetas[0].pending if name in _LAYOUT else None
+      return outs, [_Meta(bwd=inmetas[0].bwd, pending=pending)]
     return plain(outs)
 
   def _call(self, sub, invals, inmetas, inner, iteration):
