@@ -409,3 +409,32 @@ def test_report_api_and_bad_input():
     mp.numerics.inspect("not a function", BF16, x)
   with pytest.raises(ValueError):
     mp.numerics.inspect(plain_loss, "p=f32,c=f12", params, x, c)
+
+
+def test_docstring_example_runs_as_written():
+  import doctest  # pylint: disable=g-import-not-at-top
+  test = doctest.DocTestParser().get_doctest(mp.numerics.inspect.__doc__, {}, "inspect",
+                                             None, 0)
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+  with user_code():
+    runner.run(test)
+  result = runner.summarize(verbose=False)
+  assert result.failed == 0 and result.attempted >= 7
+
+
+def test_heatmap_png(tmp_path):
+  with user_code():
+    model = MLP(rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    report = mp.numerics.inspect(nnx.grad(lambda m, x: 1e-6 * _mse(m(x), 0.0)), F16, model, x)
+  from precision.numerics import _heatmap  # pylint: disable=g-import-not-at-top
+  layers, cols, values = _heatmap.grid(report.rows, "underflow")
+  assert layers == ["up", "head"] and cols[:3] == ["fwd lhs", "fwd rhs", "fwd out"]
+  assert "bwd cotangent" in cols
+  head_cot = values[layers.index("head"), cols.index("bwd cotangent")]
+  assert head_cot == max(r.underflow for r in report.select(scope="head", role="cotangent"))
+  path = report.heatmap(tmp_path / "numerics.png", ("underflow", "overflow", "sqnr_db"))
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match="'underflw'"):
+    report.heatmap(tmp_path / "x.png", ("underflw",))

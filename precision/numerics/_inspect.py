@@ -145,13 +145,21 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
     ValueError: `fn` is not callable; a bad policy or recipe (from autocast).
 
   Examples:
+    An f16 recipe without loss scaling on a tiny loss: the backward GEMM's cotangent
+    (d loss / d (x @ w) = 2.5e-9, below f16's smallest subnormal) flushes to zero.
+
+    >>> import jax, jax.numpy as jnp
     >>> import precision as mp
-    >>> report = mp.numerics.inspect(jax.value_and_grad(loss), "p=f32,c=f16,o=f32",
-    ...                              params, x, y)
-    >>> print(report.table(worst=10))          # worst tensors first
-    >>> report.first_anomaly({"underflow": 0.01})
-    TensorStats(index=3, ..., scope='head', direction='bwd', role='cotangent', ...)
-    >>> max(r.whatif_e4m3_underflow for r in report.rows)   # what fp8 would lose
+    >>> def loss(w, x):
+    ...   return 1e-8 * jnp.mean((x @ w) ** 2)
+    >>> w, x = jnp.ones((8, 4)), jnp.ones((16, 8))
+    >>> report = mp.numerics.inspect(jax.grad(loss), "p=f32,c=f16,o=f32", w, x)
+    >>> row = report.first_anomaly({"underflow": 0.5})
+    >>> (row.direction, row.role, row.shape, row.dtype, row.underflow)
+    ('bwd', 'cotangent', (16, 4), 'float16', 1.0)
+    >>> report.worst(1, by="whatif_bf16_underflow")[0].whatif_bf16_underflow  # bf16 keeps it
+    0.0
+    >>> print(report.table(worst=3))  # doctest: +SKIP
   """
   rows = []
 

@@ -235,5 +235,29 @@ class NumericsReport:
     title = f"numerics of {self.name} under {self.policy}: {len(self.rows)} tensors"
     return "\n".join([title, ""] + lines)
 
+  def heatmap(self, path, statistics=("underflow", "overflow")) -> str:
+    """Draws each statistic per layer (rows: scopes, in program order) and tensor
+    (columns: fwd lhs/rhs/out, bwd cotangent/lhs/rhs/out) as a PNG; a cell is the max
+    over that layer's GEMMs (and scan iterations). Needs matplotlib (imported here only).
+
+    Args:
+      path: the file to write (.png).
+      statistics: names from STATISTICS, one panel each; fractions are shown in percent.
+    Returns:
+      `path` as a string.
+    Raises:
+      ValueError: an unknown statistic name.
+
+    Examples:
+      >>> report.heatmap("numerics.png", ("underflow", "overflow", "whatif_e4m3_underflow"))
+    """
+    statistics = tuple(statistics)
+    if not statistics:
+      raise ValueError("statistics is empty; accepted: names from " + ", ".join(STATISTICS))
+    for s in statistics:
+      _check_statistic(s)
+    from precision.numerics import _heatmap  # pylint: disable=g-import-not-at-top
+    return _heatmap.heatmap(self, path, statistics)
+
   def __str__(self) -> str:
     return self.table()
