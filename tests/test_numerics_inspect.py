@@ -67,7 +67,8 @@ def _reference(value: np.ndarray, dtype) -> dict:
   v = x[finite & (x != 0)]
   amax = float(np.max(np.abs(v))) if v.size else 0.0
   amin = float(np.min(np.abs(v))) if v.size else 0.0
-  ref = dict(nonfinite=float(np.mean(~finite)), amax=amax, amin_nonzero=amin,
+  ref = dict(nonfinite=float(np.mean(~finite)), zeros=float(np.mean(x == 0)),
+             amax=amax, amin_nonzero=amin,
              dynamic_range_bits=math.log2(amax / amin) if v.size else 0.0)
   if v.size == 0:
     return ref
@@ -317,6 +318,10 @@ def test_fault_f16_without_loss_scaling_underflows_cotangents():
   first = f16.first_anomaly({"underflow": 0.5})
   assert (first.scope, first.direction, first.role) == ("head", "bwd", "cotangent")
   assert all(r.underflow == 0 for r in f16.rows if r.direction == "fwd")
+  # Every gradient below the head is computed from the flushed cotangent: all zeros.
+  (up_cot,) = f16.select(scope="up", direction="bwd", role="cotangent")
+  assert up_cot.zeros == 1.0 and up_cot.underflow == 0
+  assert bf16.select(scope="up", direction="bwd", role="cotangent")[0].zeros == 0
   # bf16 has f32's range: nothing underflows, and its what-if column says f16 would.
   assert max(r.underflow for r in bf16.rows) == 0
   w = bf16.worst(1, by="whatif_f16_underflow")[0]

@@ -49,6 +49,9 @@ class TensorStats:
   to `dtype` (ml_dtypes, subnormals kept).
     size: number of elements. nonzero: number of nonzero elements.
     nonfinite: fraction of ALL elements that are inf or NaN in x.
+    zeros: fraction of ALL elements that are exactly 0 in x (a tensor flushed upstream,
+      e.g. a gradient computed from an underflowed cotangent, shows here: its own
+      underflow is 0 for want of nonzero elements).
     amax: max |x| over finite elements (0 if none).
     amin_nonzero: min |x| over nonzero elements (0 if none).
     dynamic_range_bits: log2(amax) - log2(amin_nonzero) (0 if no nonzero element).
@@ -84,6 +87,7 @@ class TensorStats:
   size: int
   nonzero: int
   nonfinite: float
+  zeros: float
   amax: float
   amin_nonzero: float
   dynamic_range_bits: float

@@ -89,7 +89,7 @@ def tensor_stats(x: Any, dtype: Any) -> dict:
     x: the tensor's values (any float array; taken in f32).
     dtype: the format the program rounds it to (or stores it in).
   Returns:
-    {statistic name: float}: size, nonzero, nonfinite, amax, amin_nonzero,
+    {statistic name: float}: size, nonzero, nonfinite, zeros, amax, amin_nonzero,
     dynamic_range_bits, underflow, subnormal, overflow, saturated, sqnr_db and the
     whatif_<format>_<underflow|overflow|sqnr_db> columns.
   """
@@ -103,6 +103,7 @@ def tensor_stats(x: Any, dtype: Any) -> dict:
   amin = float(mag.min()) if v.size else 0.0
   out = dict(size=size, nonzero=int(v.size),
              nonfinite=float(np.count_nonzero(~finite) / size) if size else 0.0,
+             zeros=float(np.count_nonzero(x32 == 0) / size) if size else 0.0,
              amax=amax, amin_nonzero=amin,
              dynamic_range_bits=(math.log2(amax) - math.log2(amin)) if v.size else 0.0)
   out.update(_rounding(v, dtype))
