@@ -390,6 +390,30 @@ def test_fault_fp8_outlier_flushes_the_bulk():
   assert worst.whatif_e4m3_sqnr_db > 30 and worst.sqnr_db > 40   # the SQNR blind spot
 
 
+def test_fp8_operands_saturated_against_reference():
+  """A GEMM the program itself runs in E4M3 (scaled and clipped by hand, kept as written
+  under the fp32 recipe): the operand is measured as the clipped f32 value it converts,
+  and `saturated` counts the elements at E4M3's max (448)."""
+
+  def f(x, w):
+    xs = jnp.clip(x * 4.0, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    ws = w.astype(jnp.float8_e4m3fn)
+    return jnp.sum(jax.lax.dot_general(xs, ws, (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32))
+
+  x = jax.random.normal(jax.random.key(0), (16, 32)) * 100
+  w = jax.random.normal(jax.random.key(1), (32, 8))
+  with user_code():
+    report, _ = _check_against_reference(f, "fp32", x, w)
+  lhs, rhs, out = report.rows
+  assert (lhs.dtype, rhs.dtype, out.dtype) == ("float8_e4m3fn", "float8_e4m3fn", "float32")
+  # At the max: clipped (>= 448) or rounded up to it (E4M3's neighbours there are 416 and
+  # 448; 432 is the tie, which goes to the even 448).
+  clipped = np.mean(np.abs(np.asarray(x) * 4.0) >= 432.0)
+  assert lhs.saturated == pytest.approx(clipped, abs=FRACTION_TOL) and lhs.saturated > 0.2
+  assert rhs.saturated == 0 and out.saturated == 0 and lhs.amax == 448.0
+
+
 # ----------------------------------------------------------------------------- API
 
 
