@@ -467,3 +467,16 @@ def test_heatmap_png(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   with pytest.raises(ValueError, match="'underflw'"):
     report.heatmap(tmp_path / "x.png", ("underflw",))
+
+
+def test_gemms_inside_shard_map_are_named_as_unseen():
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+  body = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("d"), P()),
+                       out_specs=P("d"))
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+  with user_code():
+    report = mp.numerics.inspect(lambda x, w: jnp.tanh(body(x, w)) @ w, BF16, x, w)
+  assert report.unvisited == ("shard_map",)
+  assert len({r.index for r in report.rows}) == 1       # the GEMM outside it
+  assert "not seen" in report.table().splitlines()[0]

@@ -14,7 +14,7 @@ from precision.numerics import _interpret
 from precision.numerics import _report
 from precision.numerics import _stats
 
-_PATCH_LOCK = threading.Lock()
+_PATCH_LOCK = threading.RLock()   # re-entrant: fn may call inspect itself
 
 
 class Captured(NamedTuple):
@@ -89,9 +89,9 @@ def _module_scopes(nodes):
           delattr(cls, m)
 
 
-def _run(fn, recipe_or_policy, args, kwargs, on_tensor) -> str:
+def _run(fn, recipe_or_policy, args, kwargs, on_tensor) -> tuple[str, tuple]:
   """Traces fn(*args, **kwargs) under autocast and evaluates it with the recorder;
-  returns the policy string."""
+  returns the policy string and the higher-order primitives whose GEMMs went unseen."""
   if not callable(fn):
     raise ValueError(f"fn must be callable (a loss, a forward or a value_and_grad "
                      f"function); got {fn!r} of type {type(fn).__name__}")
@@ -112,8 +112,9 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor) -> str:
   wrapped = autocast(flat_fn, recipe_or_policy)
   with _module_scopes(nodes):
     closed = jax.make_jaxpr(wrapped)(*arrays)
-  _interpret.Recorder(on_tensor).run(closed, arrays)
-  return str(wrapped.autocast_spec.policy)
+  recorder = _interpret.Recorder(on_tensor)
+  recorder.run(closed, arrays)
+  return str(wrapped.autocast_spec.policy), tuple(recorder.unvisited)
 
 
 def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.NumericsReport:
@@ -124,7 +125,8 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
   once, op by op, on the arguments; every dot_general and conv_general_dilated (inside
   jit, custom_vjp/jvp, remat, cond, and per iteration inside scan and while) contributes
   a row for its lhs, rhs and result, each with the statistics of TensorStats (see there
-  for every definition). In a backward GEMM the operand that comes from the backward pass
+  for every definition). GEMMs inside shard_map or a Pallas kernel are not entered
+  (`report.unvisited` names such primitives). In a backward GEMM the operand that comes from the backward pass
   has role "cotangent". Works on a forward function, a loss, or a gradient function
   (`jax.value_and_grad(loss)`, `nnx.grad(loss)`), on NNX modules (module paths become
   scopes; the module passed in is not modified), Linen `apply` functions and plain JAX.
@@ -166,11 +168,11 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
   def on_tensor(info, value, dtype):
     rows.append(_report.TensorStats(**vars(info), **_stats.tensor_stats(value, dtype)))
 
-  policy = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
+  policy, unvisited = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
   order = {"lhs": 0, "rhs": 1, "out": 2}
   rows.sort(key=lambda r: (r.index, order[r.operand]))
   name = getattr(fn, "__name__", None) or type(fn).__name__
-  return _report.NumericsReport(name, policy, tuple(rows))
+  return _report.NumericsReport(name, policy, tuple(rows), unvisited)
 
 
 def capture(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> tuple:

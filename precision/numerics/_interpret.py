@@ -14,6 +14,8 @@ Each value carries a little metadata (`_Meta`) alongside it:
     "out" row then states that rounding) or the program ends (the accumulator is stored).
 Metadata crosses sub-jaxpr boundaries (pjit, closed_call, remat, custom_jvp/vjp, cond,
 scan, while) in both directions, so a cast done in a caller is seen by the GEMM inside.
+Other higher-order primitives (shard_map, Pallas calls) run whole; when they hold GEMMs
+their names are listed in `Recorder.unvisited` (NumericsReport.unvisited).
 
 Equations run eagerly, one at a time, so every value is what its dtype computes (no
 excess precision across a fusion). On the CPU backend a GEMM of operands below f32 runs
@@ -92,6 +94,8 @@ class Recorder:
     self.count = 0
     self.pending: dict[int, tuple[TensorInfo, Any]] = {}
     self.cpu = jax.default_backend() == "cpu"
+    self.unvisited: list[str] = []   # higher-order primitives with GEMMs not entered
+    self._checked: set[str] = set()
 
   # ----------------------------------------------------------------------- evaluation
 
@@ -150,6 +154,12 @@ class Recorder:
       return self._scan(eqn, invals, inmetas, inner, iteration, bwd)
     if name == "while":
       return self._while(eqn, invals, inmetas, inner, iteration, bwd)
+    if _walk._subjaxprs(eqn) and name not in self._checked:
+      # A higher-order op run as a whole (shard_map, a Pallas call, ...): its GEMMs are
+      # not seen one by one; say so instead of reporting fewer GEMMs silently.
+      self._checked.add(name)
+      if any(_walk.walk(sub).gemms for sub, _ in _walk._subjaxprs(eqn)):
+        self.unvisited.append(name)
     outs = _compat.bind_eqn(eqn, invals)
     outs = outs if eqn.primitive.multiple_results else [outs]
     if name == "convert_element_type":

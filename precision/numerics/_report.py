@@ -150,11 +150,14 @@ class NumericsReport:
     name: the inspected function's name.
     policy: the policy string the program ran under ("p=f32,c=bf16,o=f32").
     rows: tuple of TensorStats, sorted by (index, lhs/rhs/out).
+    unvisited: names of higher-order primitives (shard_map, Pallas calls) that hold GEMMs
+      the evaluation ran whole, so their GEMMs have no rows; () when every GEMM is seen.
   """
 
   name: str
   policy: str
   rows: tuple
+  unvisited: tuple = ()
 
   def to_records(self) -> list[dict]:
     """The rows as dicts (field name -> value; shape and iteration as lists)."""
@@ -237,6 +240,8 @@ class NumericsReport:
                _db(r.whatif_e4m3_sqnr_db), _db(r.whatif_e5m2_sqnr_db)]
       lines.append("| " + " | ".join(cells) + " |")
     title = f"numerics of {self.name} under {self.policy}: {len(self.rows)} tensors"
+    if self.unvisited:
+      title += f" (GEMMs inside {', '.join(self.unvisited)} not seen)"
     return "\n".join([title, ""] + lines)
 
   def heatmap(self, path, statistics=("underflow", "overflow")) -> str:
