@@ -4,8 +4,8 @@ Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `a
 (a policy or recipe applied to any JAX function), float-format facts
 (`precision.formats`), the faithful-rounding switch, stochastic rounding, the training
 step of every recipe (`value_and_grad`, `train_step`), `TrainState` (what checkpoints
-and data parallelism carry), and the subpackages flax, audit, optim, fp8, parallel,
-checkpoint.
+and data parallelism carry), and the subpackages flax, audit, numerics, optim, fp8,
+parallel, checkpoint.
 """
 
 from precision import _autocast

@@ -95,8 +95,8 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor) -> tuple[str, tuple]:
   if not callable(fn):
     raise ValueError(f"fn must be callable (a loss, a forward or a value_and_grad "
                      f"function); got {fn!r} of type {type(fn).__name__}")
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
-  nodes = [x for x in leaves if _is_node(x)]
+  nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
+           if _is_node(x)]
   # NNX modules are pytrees: flattened to their arrays, rebuilt inside the trace (so the
   # caller's model is never modified: BatchNorm statistics, RNG counters stay as they are).
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -121,17 +121,23 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
   """The numerics of every GEMM operand, cotangent and result of `fn(*args, **kwargs)`
   run under `precision.autocast(fn, recipe_or_policy)`.
 
-  `fn` is traced under autocast to a jaxpr (nothing is compiled) and the jaxpr is run
-  once, op by op, on the arguments; every dot_general and conv_general_dilated (inside
-  jit, custom_vjp/jvp, remat, cond, and per iteration inside scan and while) contributes
-  a row for its lhs, rhs and result, each with the statistics of TensorStats (see there
-  for every definition). GEMMs inside shard_map or a Pallas kernel are not entered
-  (`report.unvisited` names such primitives). In a backward GEMM the operand that comes from the backward pass
-  has role "cotangent". Works on a forward function, a loss, or a gradient function
-  (`jax.value_and_grad(loss)`, `nnx.grad(loss)`), on NNX modules (module paths become
-  scopes; the module passed in is not modified), Linen `apply` functions and plain JAX.
-  Values are computed eagerly one op at a time, so they are what the stated dtypes
-  compute; the cost is one eager run plus host-side statistics of every GEMM tensor.
+  `fn` is traced under autocast to a jaxpr and the jaxpr is run once, op by op, on the
+  arguments. Every dot_general and conv_general_dilated (inside jit, custom_vjp/jvp,
+  remat, cond; inside scan and while once per iteration, `row.iteration` saying which)
+  contributes a row for its lhs, its rhs and its result, each with the statistics of
+  TensorStats (see there for every definition and for which value is measured). In a
+  backward GEMM the operand produced by the backward pass has role "cotangent" (the
+  other is a forward residual: casts, transposes, flips and slices of a forward value
+  stay forward). GEMMs inside shard_map or a Pallas kernel are not entered;
+  `report.unvisited` names such primitives.
+
+  Works on a forward function, a loss, or a gradient function (`jax.value_and_grad(loss)`,
+  `nnx.grad(loss)`, a jitted train step), on NNX modules (module paths become scopes; the
+  module passed in is not modified), Linen `apply` functions and plain JAX. Ops run
+  eagerly one at a time, so every value is what its stated dtype computes (no excess
+  precision across fusions). Cost: one eager run (the first call compiles each distinct
+  op once, seconds for a small model; later calls reuse them) plus host-side numpy
+  statistics of every GEMM tensor.
 
   Args:
     fn: the function to inspect.
