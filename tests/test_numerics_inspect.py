@@ -211,6 +211,24 @@ def test_captured_tensors_are_the_programs():
     assert k.info.direction == "bwd" and k.info.dtype == "bfloat16"
 
 
+def test_recorder_computes_what_autocast_computes():
+  """The evaluator that measures the tensors runs the same program: its outputs (loss and
+  gradients) equal autocast's own, op by op (the default branch of autocast's CPU switch
+  and the f32-upcast GEMMs give the same products, accumulated in f32)."""
+  from precision.numerics import _interpret  # pylint: disable=g-import-not-at-top
+  params, x, c = _plain_args()
+  f = mp.autocast(jax.value_and_grad(plain_loss), BF16)
+  with user_code():
+    closed = jax.make_jaxpr(f)(params, x, c)
+    want = jax.tree.leaves(f(params, x, c))
+  got = _interpret.Recorder(lambda *a: None).run(closed, jax.tree.leaves((params, x, c)))
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=1e-5, atol=1e-6 * float(np.abs(w).max()))
+
+
 def test_nnx_model_statistics_and_scopes():
   with user_code():
     model = MLP(rngs=nnx.Rngs(0))
