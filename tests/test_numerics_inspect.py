@@ -321,16 +321,21 @@ def test_scan_gemms_are_recorded_per_iteration():
 # ----------------------------------------------------------------------------- seeded faults
 
 
-def test_fault_f16_without_loss_scaling_underflows_cotangents():
-  """A tiny loss (x 1e-6) under f16 with no loss scale: the backward GEMMs' cotangents
-  underflow; the first anomaly is the cotangent of the last layer's backward GEMM."""
+@pytest.fixture(scope="module")
+def tiny_loss_reports():
+  """(f16 report, bf16 report) of nnx.grad of an MLP's loss x 1e-6, no loss scale."""
   with user_code():
     model = MLP(rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (64, 16))
     target = jax.random.normal(jax.random.key(2), (64, 8))
     loss = lambda m, x, t: 1e-6 * _mse(m(x), t)
-    f16 = mp.numerics.inspect(nnx.grad(loss), F16, model, x, target)
-    bf16 = mp.numerics.inspect(nnx.grad(loss), BF16, model, x, target)
+    return tuple(mp.numerics.inspect(nnx.grad(loss), r, model, x, target) for r in (F16, BF16))
+
+
+def test_fault_f16_without_loss_scaling_underflows_cotangents(tiny_loss_reports):
+  """A tiny loss (x 1e-6) under f16 with no loss scale: the backward GEMMs' cotangents
+  underflow; the first anomaly is the cotangent of the last layer's backward GEMM."""
+  f16, bf16 = tiny_loss_reports
   worst = f16.worst(1)[0]
   assert (worst.direction, worst.role) == ("bwd", "cotangent") and worst.underflow > 0.5
   first = f16.first_anomaly({"underflow": 0.5})
@@ -469,11 +474,8 @@ def test_docstring_example_runs_as_written():
   assert result.failed == 0 and result.attempted >= 7
 
 
-def test_heatmap_png(tmp_path):
-  with user_code():
-    model = MLP(rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (8, 16))
-    report = mp.numerics.inspect(nnx.grad(lambda m, x: 1e-6 * _mse(m(x), 0.0)), F16, model, x)
+def test_heatmap_png(tmp_path, tiny_loss_reports):
+  report = tiny_loss_reports[0]
   from precision.numerics import _heatmap  # pylint: disable=g-import-not-at-top
   layers, cols, values = _heatmap.grid(report.rows, "underflow")
   assert layers == ["up", "head"] and cols[:3] == ["fwd lhs", "fwd rhs", "fwd out"]
