@@ -5,9 +5,9 @@ recipe with its overrides interpreted once, a Plan every entry point takes), `au
 (a policy or recipe applied to any JAX function), float-format facts
 (`precision.formats`), the faithful-rounding switch, stochastic rounding, the training
 step of every recipe (`value_and_grad`, `train_step`), `TrainState` (what checkpoints
-and data parallelism carry), and the subpackages flax, audit, optim, fp8, parallel,
-checkpoint. `precision.audit` is the package (`precision.audit.lower`, ...) and calling
-it is `precision.audit.audit(fn, *args)`.
+and data parallelism carry), and the subpackages flax, audit, numerics, optim, fp8,
+parallel, checkpoint, study. `precision.audit` is the package (`precision.audit.lower`,
+...) and calling it is `precision.audit.audit(fn, *args)`.
 """
 
 from precision import _autocast
@@ -16,6 +16,7 @@ from precision import checkpoint
 from precision import flax
 from precision import formats
 from precision import fp8
+from precision import numerics
 from precision import optim
 from precision import ops
 from precision import parallel
@@ -82,6 +83,7 @@ __all__ = [
     "fp8",
     "get_policy",
     "get_recipe",
+    "numerics",
     "ops",
     "parallel",
     "parse_dtype",

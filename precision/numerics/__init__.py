@@ -1,0 +1,35 @@
+"""precision.numerics: per-tensor numerics of every GEMM operand and cotangent, on any model.
+
+`inspect` runs a function (forward, loss or gradient) once under a recipe, as
+precision.autocast runs it, and measures every GEMM's operands, cotangents and results:
+range, underflow, subnormals, overflow, fp8 saturation and SQNR against the dtype they
+are computed in, plus what-if columns for bf16, f16 and fp8 (E4M3/E5M2 with per-tensor
+current scaling) from the same tensors. Every statistic is defined in TensorStats.
+
+Examples:
+  >>> import precision as mp
+  >>> report = mp.numerics.inspect(jax.value_and_grad(loss), "f16_mixed", params, x, y)
+  >>> print(report.table(worst=10))
+  >>> row = report.first_anomaly({"underflow": 0.01, "overflow": 0.0})
+  >>> row.scope, row.direction, row.role          # ('head', 'bwd', 'cotangent')
+"""
+
+from precision.numerics._inspect import Captured
+from precision.numerics._inspect import capture
+from precision.numerics._inspect import inspect
+from precision.numerics._interpret import TensorInfo
+from precision.numerics._report import DEFAULT_THRESHOLDS
+from precision.numerics._report import NumericsReport
+from precision.numerics._report import STATISTICS
+from precision.numerics._report import TensorStats
+
+__all__ = [
+    "Captured",
+    "DEFAULT_THRESHOLDS",
+    "NumericsReport",
+    "STATISTICS",
+    "TensorInfo",
+    "TensorStats",
+    "capture",
+    "inspect",
+]

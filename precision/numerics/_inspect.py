@@ -1,0 +1,201 @@
+"""precision.numerics.inspect: the numerics of every GEMM operand and cotangent of a call."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from precision._autocast import autocast
+from precision.numerics import _interpret
+from precision.numerics import _report
+from precision.numerics import _stats
+
+_PATCH_LOCK = threading.RLock()   # re-entrant: fn may call inspect itself
+
+
+class Captured(NamedTuple):
+  """One GEMM operand or result as `capture` hands it over."""
+  info: _interpret.TensorInfo
+  value: np.ndarray     # f32: the value before the program rounds it (see TensorStats)
+  dtype: np.dtype       # the format it is rounded to (TensorStats.dtype)
+
+
+def _is_node(x) -> bool:
+  try:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - flax is a dependency
+    return False
+  return nnx.graph.is_graph_node(x)
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+@contextlib.contextmanager
+def _module_scopes(nodes):
+  """NNX module paths as name scopes while the call is traced, found from the object
+  graph at call time: a module called from inside another's method gets the path from
+  that module to it ("blocks/0/mlp"). Unlike autocast's own NNX scopes (which know the
+  module objects passed in), this also names the fresh module objects that nnx.grad or
+  jax.grad merge inside the traced function."""
+  if not nodes:
+    yield
+    return
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  classes = {type(obj) for node in nodes for _, obj in nnx.iter_graph(node)
+             if isinstance(obj, nnx.Module)}
+  stack: list = []
+  paths: dict = {}
+
+  def path_in(parent, child) -> str:
+    key = (id(parent), id(child))
+    if key not in paths:
+      paths[key] = next(("/".join(str(p) for p in path)
+                         for path, obj in nnx.iter_graph(parent) if obj is child), "")
+    return paths[key]
+
+  def wrap(original):
+    def method(self, *args, **kwargs):
+      if stack and stack[-1] is self:   # a module calling its own method
+        return original(self, *args, **kwargs)
+      name = path_in(stack[-1], self) if stack else ""
+      stack.append(self)
+      try:
+        with jax.named_scope(name) if name else contextlib.nullcontext():
+          return original(self, *args, **kwargs)
+      finally:
+        stack.pop()
+    method.__wrapped__ = original
+    return method
+
+  originals = {(cls, m): getattr(cls, m) for cls in classes for m in ("__call__", "attend")
+               if callable(getattr(cls, m, None))}
+  owned = {key: key[1] in key[0].__dict__ for key in originals}
+  with _PATCH_LOCK:
+    try:
+      for (cls, m), original in originals.items():
+        setattr(cls, m, wrap(original))
+      yield
+    finally:
+      for (cls, m), original in originals.items():
+        if owned[(cls, m)]:
+          setattr(cls, m, original)
+        else:
+          delattr(cls, m)
+
+
+def _run(fn, recipe_or_policy, args, kwargs, on_tensor) -> tuple[str, tuple]:
+  """Traces fn(*args, **kwargs) under autocast and evaluates it with the recorder;
+  returns the policy string and the higher-order primitives whose GEMMs went unseen."""
+  if not callable(fn):
+    raise ValueError(f"fn must be callable (a loss, a forward or a value_and_grad "
+                     f"function); got {fn!r} of type {type(fn).__name__}")
+  nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
+           if _is_node(x)]
+  # NNX modules are pytrees: flattened to their arrays, rebuilt inside the trace (so the
+  # caller's model is never modified: BatchNorm statistics, RNG counters stay as they are).
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_arr = [_is_array(x) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_arr) if a]
+
+  def flat_fn(*arrs):
+    it = iter(arrs)
+    a, kw = jax.tree_util.tree_unflatten(treedef, [next(it) if t else x
+                                                   for x, t in zip(leaves, is_arr)])
+    return fn(*a, **kw)
+
+  wrapped = autocast(flat_fn, recipe_or_policy)
+  with _module_scopes(nodes):
+    closed = jax.make_jaxpr(wrapped)(*arrays)
+  recorder = _interpret.Recorder(on_tensor)
+  recorder.run(closed, arrays)
+  return str(wrapped.autocast_spec.policy), tuple(recorder.unvisited)
+
+
+def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.NumericsReport:
+  """The numerics of every GEMM operand, cotangent and result of `fn(*args, **kwargs)`
+  run under `precision.autocast(fn, recipe_or_policy)`.
+
+  `fn` is traced under autocast to a jaxpr and the jaxpr is run once, op by op, on the
+  arguments. Every dot_general and conv_general_dilated (inside jit, custom_vjp/jvp,
+  remat, cond; inside scan and while once per iteration, `row.iteration` saying which)
+  contributes a row for its lhs, its rhs and its result, each with the statistics of
+  TensorStats (see there for every definition and for which value is measured). In a
+  backward GEMM the operand produced by the backward pass has role "cotangent" (the
+  other is a forward residual: casts, transposes, flips and slices of a forward value
+  stay forward). GEMMs inside shard_map or a Pallas kernel are not entered;
+  `report.unvisited` names such primitives.
+
+  Works on a forward function, a loss, or a gradient function (`jax.value_and_grad(loss)`,
+  `nnx.grad(loss)`, a jitted train step), on NNX modules (module paths become scopes; the
+  module passed in is not modified), Linen `apply` functions and plain JAX. Ops run
+  eagerly one at a time, so every value is what its stated dtype computes (no excess
+  precision across fusions). Cost: one eager run (the first call compiles each distinct
+  op once, seconds for a small model; later calls reuse them) plus host-side numpy
+  statistics of every GEMM tensor.
+
+  Args:
+    fn: the function to inspect.
+    recipe_or_policy: what precision.autocast accepts: a Policy, a policy string
+      ("p=f32,c=f16,o=f32"), a Recipe or a preset name ("bf16_mixed"). Loss scaling is
+      not applied (it belongs to the optimizer): scale the loss in `fn` to see its effect.
+    *args, **kwargs: the arguments; arrays (and NNX modules' arrays) are traced, other
+      leaves (Python numbers, strings) are static.
+  Returns:
+    A NumericsReport: `.rows`, `.to_records()`, `.table(worst=20)`, `.worst(n, by)`,
+    `.first_anomaly(thresholds)`.
+  Raises:
+    ValueError: `fn` is not callable; a bad policy or recipe (from autocast).
+
+  Examples:
+    An f16 recipe without loss scaling on a tiny loss: the backward GEMM's cotangent
+    (d loss / d (x @ w) = 2.5e-9, below f16's smallest subnormal) flushes to zero.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import precision as mp
+    >>> def loss(w, x):
+    ...   return 1e-8 * jnp.mean((x @ w) ** 2)
+    >>> w, x = jnp.ones((8, 4)), jnp.ones((16, 8))
+    >>> report = mp.numerics.inspect(jax.grad(loss), "p=f32,c=f16,o=f32", w, x)
+    >>> row = report.first_anomaly({"underflow": 0.5})
+    >>> (row.direction, row.role, row.shape, row.dtype, row.underflow)
+    ('bwd', 'cotangent', (16, 4), 'float16', 1.0)
+    >>> report.worst(1, by="whatif_bf16_underflow")[0].whatif_bf16_underflow  # bf16 keeps it
+    0.0
+    >>> print(report.table(worst=3))  # doctest: +SKIP
+  """
+  rows = []
+
+  def on_tensor(info, value, dtype):
+    rows.append(_report.TensorStats(**vars(info), **_stats.tensor_stats(value, dtype)))
+
+  policy, unvisited = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
+  order = {"lhs": 0, "rhs": 1, "out": 2}
+  rows.sort(key=lambda r: (r.index, order[r.operand]))
+  name = getattr(fn, "__name__", None) or type(fn).__name__
+  return _report.NumericsReport(name, policy, tuple(rows), unvisited)
+
+
+def capture(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> tuple:
+  """The tensors `inspect` takes its statistics from, as f32 numpy arrays.
+
+  Same arguments as `inspect`. Holds every GEMM tensor of the call in host memory: for
+  small programs (tests, offline references).
+
+  Returns:
+    A tuple of Captured(info, value, dtype) in the order of `inspect`'s rows.
+  """
+  out = []
+
+  def on_tensor(info, value, dtype):
+    out.append(Captured(info, np.asarray(value).astype(np.float32), np.dtype(dtype)))
+
+  _run(fn, recipe_or_policy, args, kwargs, on_tensor)
+  order = {"lhs": 0, "rhs": 1, "out": 2}
+  out.sort(key=lambda c: (c.info.index, order[c.info.operand]))
+  return tuple(out)
