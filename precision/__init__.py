@@ -21,6 +21,7 @@ from precision import optim
 from precision import ops
 from precision import parallel
 from precision import rounding
+from precision import study
 from precision._autocast import autocast
 from precision.audit import PrecisionReport
 from precision.audit import PrecisionViolation
@@ -88,6 +89,7 @@ __all__ = [
     "parallel",
     "parse_dtype",
     "rounding",
+    "study",
     "stochastic_round",
     "train_step",
     "value_and_grad",
