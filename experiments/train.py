@@ -15,7 +15,8 @@ Checkpoints: --ckpt-dir belongs to one run (recipe, model, seed) and one writer 
 A fresh run refuses a directory that holds checkpoints; --resume continues the newest
 intact one (a damaged newer step is reported and passed over) and fails when there is
 nothing to resume, --resume-or-start starts fresh then; --convert continues another run's
-checkpoint under this recipe and seed. A resume with other --steps, --batch, --seq, --lr
+checkpoint under this recipe and seed; --allow-unverified resumes a step without
+checksums (an earlier format), with a warning. A resume with other --steps, --batch, --seq, --lr
 or --warmup than the checkpoint was trained with is refused (one line listing every
 change) unless --allow-change names those flags (or --convert is given). A record cut
 by a kill at the end of --out is dropped on resume, with a warning.
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--allow-change", type=_fields, default=(), metavar="FIELD[,FIELD]",
                   help="with --resume: hyperparameters that may differ from the "
                        f"checkpoint's ({', '.join(_CHANGEABLE)})")
+  ap.add_argument("--allow-unverified", action="store_true",
+                  help="with --resume: a checkpoint step without checksums (an earlier "
+                       "format, or its integrity.json deleted) may be resumed, with a "
+                       "warning")
   ap.add_argument("--stop-after", type=_int_type(1), default=None,
                   help="stop after this many steps, at most --steps (the schedule still "
                        "spans --steps)")
@@ -178,8 +183,10 @@ def parse_args(argv=None) -> trainlib.TrainConfig:
     ap.error(f"argument --{'resume' if a.resume else 'resume-or-start'}: needs --ckpt-dir")
   if a.convert and not resume:
     ap.error("argument --convert: only with --resume or --resume-or-start")
-  if a.allow_change and not resume:
-    ap.error("argument --allow-change: only with --resume or --resume-or-start")
+  for flag in ("allow_change", "allow_unverified"):
+    if getattr(a, flag) and not resume:
+      ap.error(f"argument --{flag.replace('_', '-')}: only with --resume or "
+               "--resume-or-start")
   if a.ckpt_dir is not None:
     problem = _writable_dir_problem(a.ckpt_dir) if a.ckpt_dir else "it is empty"
     if problem:
@@ -194,7 +201,8 @@ def parse_args(argv=None) -> trainlib.TrainConfig:
         warmup=a.warmup, seed=a.seed, eval_every=a.eval_every, eval_batches=a.eval_batches,
         ckpt_dir=a.ckpt_dir, save_every=a.save_every, keep=a.keep, resume=resume,
         start_if_nothing=a.resume_or_start, convert=a.convert,
-        allow_change=a.allow_change, stop_after=a.stop_after,
+        allow_change=a.allow_change, allow_unverified=a.allow_unverified,
+        stop_after=a.stop_after,
         max_nonfinite_steps=a.max_nonfinite_steps, out=a.out, progress=not a.no_progress)
   except trainlib.ConfigError as e:
     # Cross-flag ranges (--warmup / --stop-after above --steps), named by their flag.
@@ -251,7 +259,8 @@ def main(argv=None) -> dict:
     print(json.dumps(_json_safe(e.summary), allow_nan=False), flush=True)
     _fail(1, f"the run diverged: {e}")
   except (trainlib.TrainingError, ckpt_lib.CheckpointError) as e:
-    _fail(1, str(e))
+    # The library's keyword is the CLI's flag here.
+    _fail(1, str(e).replace("pass allow_unverified=True", "pass --allow-unverified"))
   summary.pop("history")
   print(json.dumps(_json_safe(summary), allow_nan=False), flush=True)
   if summary["status"] != "ok":

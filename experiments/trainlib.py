@@ -81,6 +81,9 @@ class TrainConfig:
       batch, seq, lr, warmup, schedule, AdamW or clipping settings differ from the saved
       train config, in a field not named here, fails with `ConfigChangedError` listing
       every change (seq and warmup compared as the values they resolve to).
+    allow_unverified: with `resume`, a checkpoint step without checksums (written by a
+      precision without them, or its integrity.json deleted) may be resumed, with a
+      warning; without it such a step is passed over like a damaged one.
     stop_after: stop once this many steps are done (the schedule still spans `steps`),
       as an interrupted run does.
     max_nonfinite_steps: stop with `DivergedError` once this many consecutive steps had
@@ -112,6 +115,7 @@ class TrainConfig:
   start_if_nothing: bool = False
   convert: bool = False
   allow_change: tuple[str, ...] = ()
+  allow_unverified: bool = False
   stop_after: int | None = None
   max_nonfinite_steps: int = 50
   out: str | None = None
@@ -176,8 +180,9 @@ class TrainConfig:
     if unknown:
       raise ConfigError(f"TrainConfig.allow_change: {unknown[0]!r} is not a hyperparameter; "
                         f"accepted: {', '.join(HYPERPARAMETERS)}")
-    if self.allow_change and not self.resume:
-      raise ConfigError("TrainConfig.allow_change applies to a resume; set resume=True")
+    if (self.allow_change or self.allow_unverified) and not self.resume:
+      raise ConfigError("TrainConfig.allow_change / allow_unverified apply to a resume; set "
+                        "resume=True")
 
   @property
   def warmup_steps(self) -> int:
@@ -474,7 +479,8 @@ def _resume(cfg: TrainConfig, run: Run, ckpt: ckpt_lib.Checkpointer,
   """
   model_config = run.model_config.to_dict()
   restored = ckpt.restore(state, recipe=run.recipe, model_config=model_config,
-                          optimizer_for=optimizer_for(cfg))
+                          optimizer_for=optimizer_for(cfg),
+                          allow_unverified=cfg.allow_unverified)
   changes = config_changes((restored.extra or {}).get("train_config"), cfg,
                            run.model_config.seq_len)
   refused = [c for c in changes if c.split(" ", 1)[0] not in cfg.allow_change]

@@ -399,3 +399,17 @@ def test_a_vanished_directory_stops_the_writer(tmp_path, states):
     with pytest.raises(checkpoint.CheckpointError, match="was replaced by another folder"):
       ckpt.save(2, states[2], recipe=RECIPE, model_config=MODEL, seed=0)
     assert os.listdir(d) == []
+
+
+def test_a_directory_reached_through_a_link_still_works(tmp_path, states):
+  """Only links inside the directory are refused: the directory itself (or a parent) may
+  be a link, as /tmp is on some systems or a run folder linked to a larger disk."""
+  real = tmp_path / "disk" / "run"
+  real.mkdir(parents=True)
+  os.symlink(tmp_path / "disk", tmp_path / "linked")
+  d = tmp_path / "linked" / "run"
+  _save(d, 1, states[1])
+  _save(d, 2, states[2])
+  r, warned = _restore(d)
+  assert r.step == 2 and _equal(r.state, states[2]) and not warned
+  assert checkpoint.Checkpointer(real).steps() == [1, 2]

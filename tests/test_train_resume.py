@@ -2,6 +2,7 @@
 allowed, and a --out log whose last record was cut by a kill resumes (issue 27 item 4)."""
 
 import json
+import os
 import shutil
 import sys
 import warnings
@@ -27,8 +28,10 @@ def _run(capsys, argv):
 
 @pytest.fixture(scope="module")
 def _stopped(tmp_path_factory):
-  """A run stopped after step 2 (checkpoint at 2, a 2-line log), written once."""
-  base = tmp_path_factory.mktemp("stopped")
+  """A run stopped after step 2 (checkpoint at 2, a 2-line log), written once, under a
+  path Orbax would read as a glob pattern."""
+  base = tmp_path_factory.mktemp("stopped") / "lr[3e-3] *?"
+  base.mkdir()
   d, log = base / "ckpt", base / "log.jsonl"
   train_cli.main(BASE + ["--ckpt-dir", str(d), "--out", str(log), "--stop-after", "2"])
   return d, log
@@ -37,7 +40,7 @@ def _stopped(tmp_path_factory):
 @pytest.fixture()
 def interrupted(_stopped, tmp_path):
   """A copy of that run's checkpoint directory and log, for one test to resume."""
-  d, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+  d, log = tmp_path / "sweep[0]" / "ckpt", tmp_path / "log.jsonl"
   shutil.copytree(_stopped[0], d)
   shutil.copy(_stopped[1], log)
   return d, log
@@ -60,10 +63,24 @@ def test_resume_with_changed_hyperparameters_is_refused_in_one_line(interrupted,
   assert "hyperparameter changed on resume: lr 0.003 -> 0.001" in summary["converted"]
 
 
+def test_a_step_without_checksums_resumes_only_with_the_flag(interrupted, capsys):
+  d, _ = interrupted
+  os.remove(d / "2" / "integrity.json")
+  (d / "2" / "_CHECKPOINT_METADATA").write_text("{}")
+  meta = json.load(open(d / "2" / "meta" / "metadata"))
+  json.dump({**meta, "format": 1}, open(d / "2" / "meta" / "metadata", "w"))
+  code, _, err = _run(capsys, ["--ckpt-dir", str(d), "--resume"])
+  assert code == 1 and "step 2 carries no checksums" in err[-1], err
+  assert "pass --allow-unverified" in err[-1] and "Traceback" not in "\n".join(err)
+  code, summary, err = _run(capsys, ["--ckpt-dir", str(d), "--resume", "--allow-unverified"])
+  assert code == 0 and summary["start_step"] == 2, err
+
+
 def test_allow_change_names_are_checked(capsys, tmp_path):
   for argv, message in ((["--resume", "--ckpt-dir", str(tmp_path), "--allow-change", "lrr"],
                          "'lrr': accepted: a comma-separated list of steps, batch, seq"),
-                        (["--allow-change", "lr"], "--allow-change: only with --resume")):
+                        (["--allow-change", "lr"], "--allow-change: only with --resume"),
+                        (["--allow-unverified"], "--allow-unverified: only with --resume")):
     code, _, err = _run(capsys, argv)
     assert code == 2 and len(err) == 1 and message in err[0], err
   with pytest.raises(trainlib.ConfigError, match="'momentum' is not a hyperparameter"):
