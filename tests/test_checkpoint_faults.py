@@ -236,6 +236,7 @@ def test_run_record_temp_names_are_random_and_never_written_through(saved, state
     ckpt.adopt(recipe=RECIPE, model_config=MODEL, seed=0, reason="rewrite the record")
   assert sentinel.read_bytes() == b"precious"
   assert not os.path.islink(d / "precision_run.json")
+  assert not os.path.lexists(d / ".precision_run.json.tmp-")  # removed by the writer
   # A run record that is a link is refused, not followed.
   shutil.move(d / "precision_run.json", tmp_path / "record.json")
   os.symlink(tmp_path / "record.json", d / "precision_run.json")

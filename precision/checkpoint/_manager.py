@@ -555,6 +555,14 @@ class Checkpointer:
   def _clean_partial(self) -> None:
     names = os.listdir(self.directory)
     for name in sorted(names):
+      if name.startswith(f".{_owner.RECORD_FILE}.tmp-"):
+        # A run record a killed writer never renamed in (or a name planted to catch one):
+        # removed, never opened (the name only, a link is not followed).
+        try:
+          os.unlink(os.path.join(self.directory, name))
+        except OSError:
+          pass  # a folder of that name is not ours to remove
+        continue
       m = _PARTIAL.fullmatch(name)
       if not m:
         continue
