@@ -414,3 +414,34 @@ def test_a_directory_reached_through_a_link_still_works(tmp_path, states):
   r, warned = _restore(d)
   assert r.step == 2 and _equal(r.state, states[2]) and not warned
   assert checkpoint.Checkpointer(real).steps() == [1, 2]
+
+
+# ------------------------------------------------------------------ 7. optional HMAC
+
+KEY = b"0123456789abcdef-secret"
+
+
+def test_signed_steps_restore_only_with_their_key_and_unchanged(tmp_path, states):
+  d = tmp_path / "c"
+  checkpoint.save(d, 1, states[1], recipe=RECIPE, model_config=MODEL, seed=0, key=KEY)
+  checkpoint.save(d, 2, states[2], recipe=RECIPE, model_config=MODEL, seed=0, key=KEY)
+  r, warned = _restore(d, key=KEY)
+  assert r.step == 2 and r.authenticated and _equal(r.state, states[2]) and not warned
+  r, _ = _restore(d)  # without a key: the digests as before
+  assert r.step == 2 and not r.authenticated
+  # Step 2's metadata edited and its manifest re-digested by someone without the key:
+  # the digests accept it, the HMAC does not.
+  _rewrite_meta(d / "2", lambda m: m["data"].__setitem__("step", 7) if m.get("data")
+                else m.update(extra={"forged": True}))
+  assert _restore(d)[0].step == 2
+  r, warned = _restore(d, key=KEY)
+  assert r.step == 1 and "step 2 fails its HMAC" in warned[0]
+  with pytest.raises(checkpoint.CheckpointAuthenticityError, match="signed with another key"):
+    checkpoint.restore(d, _target(), step=1, key=b"another key of 16+ bytes")
+  unsigned = tmp_path / "u"
+  _save(unsigned, 1, states[1])
+  with pytest.raises(checkpoint.CheckpointAuthenticityError, match="is not signed"):
+    checkpoint.restore(unsigned, _target(), step=1, key=KEY)
+  with pytest.raises(ValueError, match="key of type bytes and 5 bytes; accepted: None, or "
+                     "bytes / str of at least 16 bytes"):
+    checkpoint.Checkpointer(d, key=b"short")

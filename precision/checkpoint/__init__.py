@@ -27,7 +27,10 @@ What the checksums are for: the SHA-256 digests in each step's ``integrity.json`
 accidental damage (a flipped byte, a truncated or missing file, a cut copy, a stray
 edit), not tampering. They are not a signature: anyone who can write the directory can
 change a file and rewrite its digest too, so they say nothing about who wrote a
-checkpoint. Restore only checkpoints from a source you trust. What restore does guard
+checkpoint. Restore only checkpoints from a source you trust, or sign them: with
+``save(..., key=secret)`` each step also carries an HMAC-SHA256 of its manifest, and
+``restore(..., key=secret)`` passes over (`CheckpointAuthenticityError`) any step that
+is unsigned, signed with another key or changed since. What restore does guard
 against on its own: names in a manifest never reach outside their step folder (no
 ``..``, no absolute path), symbolic links are never followed (step folders, files, the
 lock, the run record), files of a newer format are refused (`CheckpointFormatError`:
@@ -43,6 +46,7 @@ are handed to it so that no character is one).
 """
 
 from precision._state import TrainState
+from precision.checkpoint._errors import CheckpointAuthenticityError
 from precision.checkpoint._errors import CheckpointDamagedError
 from precision.checkpoint._errors import CheckpointError
 from precision.checkpoint._errors import CheckpointFallbackWarning
@@ -63,6 +67,7 @@ from precision.checkpoint._manager import save
 from precision.checkpoint._owner import RunRecord
 
 __all__ = [
+    "CheckpointAuthenticityError",
     "CheckpointDamagedError",
     "CheckpointError",
     "CheckpointFallbackWarning",

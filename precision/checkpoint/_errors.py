@@ -21,6 +21,11 @@ class CheckpointDamagedError(CheckpointError):
   files cannot be read: it was damaged after it was written."""
 
 
+class CheckpointAuthenticityError(CheckpointDamagedError):
+  """A restore with a key met a step that is unsigned, signed with another key, or whose
+  manifest differs from what was signed (passed over like a damaged step)."""
+
+
 class CheckpointMismatchError(CheckpointError, ValueError):
   """The restore target does not have the checkpoint's structure, shapes or dtypes."""
 

@@ -16,7 +16,10 @@ Each step therefore gets ``integrity.json``:
 SHA-256 (not a CRC) because the digest also serves as the identity of what was saved;
 hashing runs at about 1-2 GB/s, small next to the write. The digests guard against
 accidental damage (a bad disk, a cut copy, a stray edit), not against someone who can
-write the directory: whoever changes a file can rewrite the manifest to match.
+write the directory: whoever changes a file can rewrite the manifest to match. With a
+secret key (``save(..., key=)``) each step also gets ``integrity.hmac``, the
+HMAC-SHA256 of the manifest's bytes, and ``restore(..., key=)`` accepts only steps whose
+manifest carries a matching HMAC: a change by someone without the key is detected.
 
 The manifest's file names are confined to the step folder (`_files.confined`): a name
 with ``..``, an absolute name, or a symbolic link anywhere in the step (the step folder
@@ -26,6 +29,7 @@ included) is damage, never followed; so is a file the manifest does not list.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 from typing import Any
@@ -36,10 +40,13 @@ import numpy as np
 from precision.checkpoint import _files
 from precision.checkpoint import _keys
 from precision.checkpoint import _tree
+from precision.checkpoint._errors import CheckpointAuthenticityError
 from precision.checkpoint._errors import CheckpointDamagedError
 
 MANIFEST = "integrity.json"
 MANIFEST_FORMAT = 1
+SIGNATURE = "integrity.hmac"  # written only with a key: HMAC-SHA256 of the manifest's bytes
+SIGNATURE_FORMAT = 1
 _CHUNK = 1 << 20
 
 
@@ -96,7 +103,7 @@ def _walk(step_dir: str) -> tuple[list[str], list[str]]:
       rel = os.path.relpath(full, step_dir).replace(os.sep, "/")
       if os.path.islink(full):
         links.append(rel)
-      elif name in files and rel != MANIFEST:
+      elif name in files and rel not in (MANIFEST, SIGNATURE):
         found.append(rel)
   return sorted(found), sorted(links)
 
@@ -120,6 +127,67 @@ def write_manifest(step_dir: str, step: int, arrays: dict[str, dict]) -> None:
   body = _files.stamp({"step": int(step), "files": files, "arrays": arrays},
                       MANIFEST_FORMAT)
   write_json(os.path.join(step_dir, MANIFEST), {**body, "sha256": _body_digest(body)})
+
+
+def check_key(key: Any) -> bytes | None:
+  """The HMAC key as bytes (a str is UTF-8 encoded); None stays None.
+
+  Raises:
+    ValueError for anything else, or a key shorter than 16 bytes.
+  """
+  if key is None:
+    return None
+  if isinstance(key, str):
+    key = key.encode()
+  if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+    raise ValueError(f"key of type {type(key).__name__}"
+                     + (f" and {len(key)} bytes" if isinstance(key, (bytes, bytearray)) else "")
+                     + "; accepted: None, or bytes / str of at least 16 bytes (a secret)")
+  return bytes(key)
+
+
+def _key_id(key: bytes) -> str:
+  """A public name of the key (not the key): the first 16 hex digits of its SHA-256."""
+  return hashlib.sha256(b"precision.checkpoint key id:" + key).hexdigest()[:16]
+
+
+def sign(step_dir: str, key: bytes) -> None:
+  """Writes SIGNATURE: the HMAC-SHA256 with `key` of the manifest's exact bytes."""
+  mac = hmac.new(key, _files.read_bytes(os.path.join(step_dir, MANIFEST)), hashlib.sha256)
+  write_json(os.path.join(step_dir, SIGNATURE), _files.stamp(
+      {"alg": "HMAC-SHA256", "key_id": _key_id(key), "hmac": mac.hexdigest()},
+      SIGNATURE_FORMAT))
+
+
+def check_signature(step_dir: str, key: bytes, what: str) -> None:
+  """Checks that the step's manifest was signed with `key` (and not changed since).
+
+  Raises:
+    CheckpointAuthenticityError when the step is unsigned, signed with another key, or its
+    manifest differs from what was signed.
+  """
+  path = os.path.join(step_dir, SIGNATURE)
+  if not os.path.lexists(path):
+    raise CheckpointAuthenticityError(
+        f"{what} is not signed (no {SIGNATURE}): it was saved without a key, and a restore "
+        "with key= accepts signed steps only")
+  try:
+    sig = _files.read_json(path)
+    if not isinstance(sig, dict):
+      raise ValueError("it is not a JSON object")
+    _files.check_format(sig, SIGNATURE_FORMAT, f"{what}: its {SIGNATURE}")
+    manifest = _files.read_bytes(os.path.join(step_dir, MANIFEST))
+  except (OSError, ValueError) as e:
+    raise CheckpointAuthenticityError(f"{what}: its {SIGNATURE} or {MANIFEST} cannot be "
+                                      f"read ({e})") from None
+  if sig.get("key_id") != _key_id(key):
+    raise CheckpointAuthenticityError(
+        f"{what} was signed with another key (key id {sig.get('key_id')!r}; the key given "
+        f"has id {_key_id(key)!r})")
+  good = hmac.new(key, manifest, hashlib.sha256).hexdigest()
+  if not isinstance(sig.get("hmac"), str) or not hmac.compare_digest(sig["hmac"], good):
+    raise CheckpointAuthenticityError(
+        f"{what} fails its HMAC: its {MANIFEST} was changed by someone without the key")
 
 
 def has_manifest(step_dir: str) -> bool:

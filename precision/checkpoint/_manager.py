@@ -55,6 +55,7 @@ from precision.checkpoint import _keys
 from precision.checkpoint import _orbax
 from precision.checkpoint import _owner
 from precision.checkpoint import _tree
+from precision.checkpoint._errors import CheckpointAuthenticityError
 from precision.checkpoint._errors import CheckpointDamagedError
 from precision.checkpoint._errors import CheckpointError
 from precision.checkpoint._errors import CheckpointFallbackWarning
@@ -85,7 +86,8 @@ class Restored(NamedTuple):
   the seed and run id saved with the step (None when not recorded). skipped: one line per
   newer step passed over because it is damaged (empty when the newest step was
   restored). verified: whether the step carried checksums (False only for steps written
-  by earlier versions without them).
+  by earlier versions without them). authenticated: whether its HMAC was checked against
+  the key given to the restore (False without a key).
   """
 
   state: TrainState
@@ -100,6 +102,7 @@ class Restored(NamedTuple):
   run_id: str | None = None
   skipped: tuple[str, ...] = ()
   verified: bool = True
+  authenticated: bool = False
 
 
 def _json_data(data: Any) -> dict | None:
@@ -182,6 +185,11 @@ def _is_legacy(step_dir: str) -> bool:
 class Checkpointer:
   """Saves TrainStates under `directory/<step>`, keeping the last `keep` steps.
 
+  With a secret `key` (bytes or str, at least 16 bytes) every step saved is signed
+  (HMAC-SHA256 of its manifest, in ``integrity.hmac``) and a restore accepts only steps
+  signed with that key (`CheckpointAuthenticityError`, passed over like damage):
+  authenticity, which the SHA-256 digests alone do not give.
+
   Creating a Checkpointer touches nothing on disk. The first `save` (or `acquire`)
   creates the directory, takes its writer lock (held until `close`) and records the run
   the directory belongs to. Use it as a context manager, or call `close`.
@@ -194,10 +202,12 @@ class Checkpointer:
     >>> r.step, r.skipped
   """
 
-  def __init__(self, directory: str | os.PathLike, *, keep: int = 3):
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 3,
+               key: bytes | str | None = None):
     if isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 1:
       raise ValueError(f"keep={keep!r}; accepted: an integer >= 1 (number of checkpoints "
                        "kept)")
+    self._key = _integrity.check_key(key)
     self.directory = os.path.abspath(os.fspath(directory))
     self.keep = int(keep)
     self._lock: WriterLock | None = None
@@ -279,6 +289,8 @@ class Checkpointer:
     """
     step = self._resolve(step)[0]
     if self._scan().steps[step]:
+      if self._key is not None:
+        _integrity.check_signature(self._step_dir(step), self._key, self._what(step))
       _integrity.verify_files(self._step_dir(step), self._what(step))
 
   def _resolve(self, step: int | None) -> list[int]:
@@ -380,6 +392,12 @@ class Checkpointer:
     what = self._what(step)
     step_dir = self._step_dir(step)
     verified = _integrity.has_manifest(step_dir)
+    if self._key is not None:
+      if not verified:
+        raise CheckpointAuthenticityError(
+            f"{what} carries no checksums, so no signature; a restore with key= accepts "
+            "signed steps only")
+      _integrity.check_signature(step_dir, self._key, what)
     if not verified and not allow_unverified:
       raise CheckpointDamagedError(
           f"{what} carries no checksums (no {_integrity.MANIFEST}: written by a precision "
@@ -440,7 +458,7 @@ class Checkpointer:
     def finish(state: TrainState, notes: tuple[str, ...]) -> Restored:
       return Restored(state, step, recipe, saved_recipe, meta.get("model_config"),
                       meta.get("data"), meta.get("extra"), notes, meta.get("seed"),
-                      meta.get("run_id"), (), verified)
+                      meta.get("run_id"), (), verified, self._key is not None)
 
     if not converting:
       diff = _tree.first_difference(saved, _tree.shapes_by_path(abstract))
@@ -681,6 +699,8 @@ class Checkpointer:
       os.mkdir(os.path.join(tmp, "meta"))
       _integrity.write_json(os.path.join(tmp, _META), meta)
       _integrity.write_manifest(tmp, step, arrays)
+      if self._key is not None:
+        _integrity.sign(tmp, self._key)
       # Durable before anything older is touched: every file and folder fsynced, then
       # the manifest and array metadata read back through Orbax as a restore would.
       _files.fsync_tree(tmp)
@@ -791,9 +811,10 @@ def _raw_subtree(tree: Any, saved: dict, key: str) -> Any:
 
 def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: Recipe,
          model_config: dict | None = None, seed: int | None = None, data: Any = None,
-         extra: dict | None = None, keep: int = 3) -> None:
-  """One-shot `Checkpointer(directory, keep=keep).save(...)` (lock released after)."""
-  with Checkpointer(directory, keep=keep) as ckpt:
+         extra: dict | None = None, keep: int = 3, key: bytes | str | None = None) -> None:
+  """One-shot `Checkpointer(directory, keep=keep, key=key).save(...)` (lock released
+  after)."""
+  with Checkpointer(directory, keep=keep, key=key) as ckpt:
     ckpt.save(step, state, recipe=recipe, model_config=model_config, seed=seed, data=data,
               extra=extra)
 
@@ -802,10 +823,10 @@ def restore(directory: str | os.PathLike, target: TrainState, *, step: int | Non
             recipe: Recipe | None = None, model_config: dict | None = None,
             optimizer_for: Callable[[Recipe], Any] | None = None,
             mesh: jax.sharding.Mesh | None = None,
-            allow_unverified: bool = False) -> Restored:
-  """One-shot `Checkpointer(directory).restore(...)`; see `Checkpointer.restore`. Creates
-  nothing: a missing directory raises NoCheckpointError."""
-  return Checkpointer(directory).restore(target, step=step, recipe=recipe,
+            allow_unverified: bool = False, key: bytes | str | None = None) -> Restored:
+  """One-shot `Checkpointer(directory, key=key).restore(...)`; see `Checkpointer.restore`.
+  Creates nothing: a missing directory raises NoCheckpointError."""
+  return Checkpointer(directory, key=key).restore(target, step=step, recipe=recipe,
                                          model_config=model_config,
                                          optimizer_for=optimizer_for, mesh=mesh,
                                          allow_unverified=allow_unverified)
