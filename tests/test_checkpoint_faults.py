@@ -350,6 +350,10 @@ def test_a_failed_rotation_keeps_the_new_step_and_says_so(tmp_path, states, monk
   assert r.step == 2 and _equal(r.state, states[2])
 
 
+def _eio(fd):
+  raise OSError(errno.EIO, "I/O error")
+
+
 def test_keep_1_deletes_the_only_good_step_only_after_the_new_one_is_durable(
     tmp_path, states, monkeypatch):
   d = tmp_path / "c"
@@ -371,15 +375,16 @@ def test_keep_1_deletes_the_only_good_step_only_after_the_new_one_is_durable(
   assert str(d) in synced  # the rename of the new step itself is durable
   # An fsync failing (EIO) while the new step is written leaves the only good step; at the
   # lock (the first thing a writer writes) it is one line too.
-  monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+  monkeypatch.setattr(os, "fsync", _eio)
   with pytest.raises(checkpoint.CheckpointWriteError, match="the writer lock cannot be written: "
                      "I/O error \\(EIO\\)"):
     _save(d, 3, states[1], keep=1)
   with checkpoint.Checkpointer(d, keep=1) as ckpt:
     monkeypatch.undo()
     ckpt.acquire()
-    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
-    with pytest.raises(checkpoint.CheckpointWriteError, match="EIO.*the last good step 2 is intact"):
+    monkeypatch.setattr(os, "fsync", _eio)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="EIO.*the last good step 2 is "
+                       "intact"):
       ckpt.save(3, states[1], recipe=RECIPE, model_config=MODEL, seed=0)
     monkeypatch.undo()
   assert checkpoint.Checkpointer(d).steps() == [2]

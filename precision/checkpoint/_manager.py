@@ -755,7 +755,8 @@ class Checkpointer:
     if manifest["arrays"] != arrays:
       detail = "its manifest does not list the arrays saved"
     elif set(got) != set(expect):
-      detail = f"array '{sorted(set(got) ^ set(expect))[0]}' is not in both its manifest and its item"
+      odd = sorted(set(got) ^ set(expect))[0]
+      detail = f"array '{odd}' is not in both its manifest and its item"
     else:
       k = next((k for k in expect if got[k] != expect[k]), None)
       detail = None if k is None else f"array '{k}' reads back as {got[k]}, saved as {expect[k]}"
