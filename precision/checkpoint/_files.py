@@ -93,10 +93,6 @@ def open_regular_binary(path: str):
   return os.fdopen(_open_regular(path, os.O_RDONLY), "rb")
 
 
-def is_link(path: str) -> bool:
-  return os.path.islink(path)
-
-
 def write_json(path: str, obj: Any) -> None:
   """Writes JSON to `path` durably: a fresh temporary file of a random name (O_EXCL,
   O_NOFOLLOW), fsync, atomic rename over `path`."""
