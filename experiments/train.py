@@ -2,7 +2,8 @@
 
   python -m experiments.train --recipe bf16_master --model small --steps 300 --batch 8 \\
       --seq 256 --lr 3e-3 --seed 0 --ckpt-dir /tmp/run --save-every 100 \\
-      [--resume | --resume-or-start] [--convert] [--out steps.jsonl] [--eval-every 50]
+      [--resume | --resume-or-start] [--convert] [--allow-change lr,steps] \\
+      [--out steps.jsonl] [--eval-every 50]
 
 Writes one JSON line per step to --out (loss, grad norm, loss scale, skipped steps,
 non-finite counts, tokens/s, validation bits per byte every --eval-every steps), shows a
@@ -14,12 +15,17 @@ Checkpoints: --ckpt-dir belongs to one run (recipe, model, seed) and one writer 
 A fresh run refuses a directory that holds checkpoints; --resume continues the newest
 intact one (a damaged newer step is reported and passed over) and fails when there is
 nothing to resume, --resume-or-start starts fresh then; --convert continues another run's
-checkpoint under this recipe and seed.
+checkpoint under this recipe and seed; --allow-unverified resumes a step without
+checksums (an earlier format), with a warning. A resume with other --steps, --batch, --seq, --lr
+or --warmup than the checkpoint was trained with is refused (one line listing every
+change) unless --allow-change names those flags (or --convert is given). A record cut
+by a kill at the end of --out is dropped on resume, with a warning.
 
 Exit status: 0 when the run finished with a finite loss and validation BPB; 2 for a bad
 command line (every flag, and the writability of --ckpt-dir and --out, are checked before
 any work; one line on stderr); 1 when the run cannot start or continue (checkpoint
-directory locked, owned by another run, nothing to resume, no intact checkpoint) or
+directory locked, owned by another run, nothing to resume, no intact checkpoint, changed
+hyperparameters, a checkpoint write that failed) or
 diverged (--max-nonfinite-steps consecutive non-finite steps, or a non-finite final
 result): one "error:" line on stderr, and for a divergence the summary on stdout.
 The logic lives in experiments/trainlib.py (`train(TrainConfig(...))`).
@@ -67,6 +73,20 @@ def _positive_float(text: str) -> float:
   if not (math.isfinite(v) and v > 0):
     raise argparse.ArgumentTypeError(f"{text!r}: accepted: a finite number > 0")
   return v
+
+
+# Flags of the hyperparameters a resume compares with the checkpoint's train config.
+_CHANGEABLE = ("steps", "batch", "seq", "lr", "warmup")
+
+
+def _fields(text: str) -> tuple[str, ...]:
+  names = tuple(n.strip().lstrip("-") for n in text.split(",") if n.strip())
+  bad = [n for n in names if n not in _CHANGEABLE]
+  if not names or bad:
+    raise argparse.ArgumentTypeError(
+        f"{(bad[0] if bad else text)!r}: accepted: a comma-separated list of "
+        f"{', '.join(_CHANGEABLE)}")
+  return names
 
 
 def _writable_dir_problem(path: str) -> str | None:
@@ -136,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="continue from --ckpt-dir, or start fresh if it holds nothing")
   ap.add_argument("--convert", action="store_true",
                   help="with --resume: continue a checkpoint of another recipe or seed")
+  ap.add_argument("--allow-change", type=_fields, default=(), metavar="FIELD[,FIELD]",
+                  help="with --resume: hyperparameters that may differ from the "
+                       f"checkpoint's ({', '.join(_CHANGEABLE)})")
+  ap.add_argument("--allow-unverified", action="store_true",
+                  help="with --resume: a checkpoint step without checksums (an earlier "
+                       "format, or its integrity.json deleted) may be resumed, with a "
+                       "warning")
   ap.add_argument("--stop-after", type=_int_type(1), default=None,
                   help="stop after this many steps, at most --steps (the schedule still "
                        "spans --steps)")
@@ -156,6 +183,10 @@ def parse_args(argv=None) -> trainlib.TrainConfig:
     ap.error(f"argument --{'resume' if a.resume else 'resume-or-start'}: needs --ckpt-dir")
   if a.convert and not resume:
     ap.error("argument --convert: only with --resume or --resume-or-start")
+  for flag in ("allow_change", "allow_unverified"):
+    if getattr(a, flag) and not resume:
+      ap.error(f"argument --{flag.replace('_', '-')}: only with --resume or "
+               "--resume-or-start")
   if a.ckpt_dir is not None:
     problem = _writable_dir_problem(a.ckpt_dir) if a.ckpt_dir else "it is empty"
     if problem:
@@ -169,7 +200,9 @@ def parse_args(argv=None) -> trainlib.TrainConfig:
         recipe=a.recipe, model=a.model, steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr,
         warmup=a.warmup, seed=a.seed, eval_every=a.eval_every, eval_batches=a.eval_batches,
         ckpt_dir=a.ckpt_dir, save_every=a.save_every, keep=a.keep, resume=resume,
-        start_if_nothing=a.resume_or_start, convert=a.convert, stop_after=a.stop_after,
+        start_if_nothing=a.resume_or_start, convert=a.convert,
+        allow_change=a.allow_change, allow_unverified=a.allow_unverified,
+        stop_after=a.stop_after,
         max_nonfinite_steps=a.max_nonfinite_steps, out=a.out, progress=not a.no_progress)
   except trainlib.ConfigError as e:
     # Cross-flag ranges (--warmup / --stop-after above --steps), named by their flag.
@@ -197,12 +230,12 @@ def _fail(code: int, message: str):
 
 @contextlib.contextmanager
 def _one_line_warnings():
-  """Checkpoint warnings (a damaged step passed over, a dead writer's lock taken over)
-  print as one line each, like the errors."""
+  """Checkpoint warnings (a damaged step passed over, a dead writer's lock taken over) and
+  run warnings (a torn --out record dropped) print as one line each, like the errors."""
   plain = warnings.formatwarning
 
   def fmt(message, category, filename, lineno, line=None):
-    if issubclass(category, ckpt_lib.CheckpointWarning):
+    if issubclass(category, (ckpt_lib.CheckpointWarning, trainlib.TrainWarning)):
       return f"{PROG}: warning: {' '.join(str(message).split())}\n"
     return plain(message, category, filename, lineno, line)
 
@@ -226,7 +259,8 @@ def main(argv=None) -> dict:
     print(json.dumps(_json_safe(e.summary), allow_nan=False), flush=True)
     _fail(1, f"the run diverged: {e}")
   except (trainlib.TrainingError, ckpt_lib.CheckpointError) as e:
-    _fail(1, str(e))
+    # The library's keyword is the CLI's flag here.
+    _fail(1, str(e).replace("pass allow_unverified=True", "pass --allow-unverified"))
   summary.pop("history")
   print(json.dumps(_json_safe(summary), allow_nan=False), flush=True)
   if summary["status"] != "ok":

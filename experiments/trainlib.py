@@ -22,6 +22,7 @@ import math
 import numbers
 import sys
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -37,6 +38,14 @@ import precision.fp8  # noqa: F401  (mp.fp8)
 from experiments import data as data_lib
 from models import gpt as gpt_lib
 from precision import checkpoint as ckpt_lib
+# Not yet re-exported by precision.optim (its __init__ is outside this change).
+from precision.optim._guard import nonfinite_loss_guard
+
+
+# The fields of a TrainConfig that change what a resumed run computes: a resume compares
+# them with the train config saved in the checkpoint.
+HYPERPARAMETERS = ("steps", "batch", "seq", "lr", "warmup", "final_lr_ratio",
+                   "weight_decay", "b1", "b2", "grad_clip", "corpus_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +74,16 @@ class TrainConfig:
     start_if_nothing: with `resume`, start fresh when ckpt_dir holds no checkpoint.
     convert: with `resume`, continue a checkpoint of another recipe or seed (the state is
       converted from its f32 master; the directory then belongs to this run). Without
-      it, resuming another run's checkpoint fails.
+      it, resuming another run's checkpoint fails. It also allows every change of
+      hyperparameters (see `allow_change`).
+    allow_change: with `resume`, the hyperparameters (names in `HYPERPARAMETERS`) that
+      may differ from the ones the checkpoint was trained with. A resume whose steps,
+      batch, seq, lr, warmup, schedule, AdamW or clipping settings differ from the saved
+      train config, in a field not named here, fails with `ConfigChangedError` listing
+      every change (seq and warmup compared as the values they resolve to).
+    allow_unverified: with `resume`, a checkpoint step without checksums (written by a
+      precision without them, or its integrity.json deleted) may be resumed, with a
+      warning; without it such a step is passed over like a damaged one.
     stop_after: stop once this many steps are done (the schedule still spans `steps`),
       as an interrupted run does.
     max_nonfinite_steps: stop with `DivergedError` once this many consecutive steps had
@@ -96,6 +114,8 @@ class TrainConfig:
   resume: bool = False
   start_if_nothing: bool = False
   convert: bool = False
+  allow_change: tuple[str, ...] = ()
+  allow_unverified: bool = False
   stop_after: int | None = None
   max_nonfinite_steps: int = 50
   out: str | None = None
@@ -152,6 +172,17 @@ class TrainConfig:
     if (self.start_if_nothing or self.convert) and not self.resume:
       raise ConfigError("TrainConfig.start_if_nothing / convert apply to a resume; set "
                         "resume=True")
+    if isinstance(self.allow_change, str) or not all(
+        isinstance(f, str) for f in self.allow_change):
+      raise ConfigError(f"TrainConfig.allow_change={self.allow_change!r}; accepted: a tuple "
+                        f"of field names among {', '.join(HYPERPARAMETERS)}")
+    unknown = [f for f in self.allow_change if f not in HYPERPARAMETERS]
+    if unknown:
+      raise ConfigError(f"TrainConfig.allow_change: {unknown[0]!r} is not a hyperparameter; "
+                        f"accepted: {', '.join(HYPERPARAMETERS)}")
+    if (self.allow_change or self.allow_unverified) and not self.resume:
+      raise ConfigError("TrainConfig.allow_change / allow_unverified apply to a resume; set "
+                        "resume=True")
 
   @property
   def warmup_steps(self) -> int:
@@ -168,6 +199,15 @@ class ConfigError(TrainingError, ValueError):
 
 class NothingToResumeError(TrainingError):
   """resume=True, but the checkpoint directory holds no checkpoint."""
+
+
+class ConfigChangedError(TrainingError):
+  """A resume whose hyperparameters differ from the checkpoint's, not allowed by
+  `allow_change` (or `convert`)."""
+
+
+class TrainWarning(UserWarning):
+  """Something about a run a user should know, that stopped nothing (a torn log line)."""
 
 
 class DivergedError(TrainingError):
@@ -239,7 +279,7 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
     # update applied with exact rounding, and the fp8 scaling state rolled back with a
     # step the guard skips (params and optimizer state stay as they were).
     model = nnx.merge(graphdef, params, model_state)
-    loss, opt_state = mp.train_step(model, tx, opt_state, gpt_lib.loss_fn, tokens)
+    loss, opt_state = mp.train_step(model, tx, opt_state, _guarded_loss, tokens)
     _, params, model_state = nnx.split(model, nnx.Param, ...)
     metrics = dict(mp.optim.optimizer_metrics(opt_state))
     metrics["loss"] = loss
@@ -251,6 +291,13 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
             inner_schedule(cfg))
   rng = jax.random.key_data(jax.random.key(cfg.seed))
   return run, ckpt_lib.TrainState(params, opt_state, model_state, rng)
+
+
+def _guarded_loss(model, tokens):
+  """The GPT's loss, its gradient made NaN when the loss is not finite: a step whose loss
+  is inf/NaN while its gradients are finite (an overflowed mean) is skipped and counted
+  by the optimizer's guard like one with non-finite gradients. Bit-identical otherwise."""
+  return nonfinite_loss_guard(gpt_lib.loss_fn(model, tokens))
 
 
 def inner_schedule(cfg: TrainConfig):
@@ -311,15 +358,59 @@ def _host(x) -> float | int:
 
 
 def _truncate_log(path: str, last_step: int) -> None:
-  """Keeps the JSONL records of steps <= last_step (a resumed run rewrites the rest)."""
+  """Keeps the JSONL records of steps <= last_step (a resumed run rewrites the rest).
+
+  A line that is no JSON object (the last line cut by a kill while it was written) is
+  dropped, with one `TrainWarning` saying how many and where.
+  """
   try:
     with open(path) as f:
       lines = [line for line in f if line.strip()]
   except FileNotFoundError:
     return
-  kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+  kept, torn = [], []
+  for i, line in enumerate(lines, 1):
+    try:
+      rec = json.loads(line)
+      if not isinstance(rec, dict):
+        raise ValueError("not a JSON object")
+    except ValueError:
+      torn.append(i)
+      continue
+    if rec.get("step", 0) <= last_step:
+      kept.append(line if line.endswith("\n") else line + "\n")
+  if torn:
+    where = "its last line" if torn == [len(lines)] else f"line(s) {', '.join(map(str, torn))}"
+    warnings.warn(f"--out {path}: dropped {len(torn)} unreadable JSONL record(s) at {where} "
+                  "(cut by a kill while it was written); the resumed run rewrites the steps "
+                  f"after {last_step}", TrainWarning, stacklevel=2)
   with open(path, "w") as f:
     f.writelines(kept)
+
+
+def _resolved(d: dict, model_seq_len: int) -> dict:
+  """The hyperparameters of a train config dict as they resolve (seq and warmup None:
+  their defaults), None for a field the dict lacks (a config of an older version)."""
+  out = {k: d.get(k) for k in HYPERPARAMETERS}
+  if "seq" in d:
+    out["seq"] = d["seq"] or model_seq_len
+  if "warmup" in d and d["warmup"] is None and isinstance(d.get("steps"), int):
+    out["warmup"] = max(1, min(100, d["steps"] // 10))
+  return out
+
+
+def config_changes(saved: dict | None, cfg: TrainConfig, model_seq_len: int) -> list[str]:
+  """["lr 0.003 -> 0.001", ...]: the hyperparameters of `cfg` that differ from the saved
+  train config (fields the saved config does not record are not compared)."""
+  if not isinstance(saved, dict):
+    return []
+  before = _resolved(saved, model_seq_len)
+  after = _resolved(dataclasses.asdict(cfg), model_seq_len)
+  # Both left to their defaults: the same model's seq_len; a warmup that follows steps
+  # (its change is the change of steps).
+  defaulted = {k for k in ("seq", "warmup") if saved.get(k) is None and getattr(cfg, k) is None}
+  return [f"{k} {before[k]!r} -> {after[k]!r}" for k in HYPERPARAMETERS
+          if k in saved and k not in defaulted and before[k] != after[k]]
 
 
 def _saved_seed(restored: ckpt_lib.Restored) -> int | None:
@@ -379,10 +470,26 @@ def _open_checkpoints(cfg: TrainConfig, recipe: mp.Recipe, model_config: dict
 
 def _resume(cfg: TrainConfig, run: Run, ckpt: ckpt_lib.Checkpointer,
             state: ckpt_lib.TrainState) -> tuple[Any, int, tuple[str, ...], Any, tuple]:
-  """(state, start step, conversion notes, sampler, skipped damaged steps) of a resume."""
+  """(state, start step, conversion notes (and allowed hyperparameter changes), sampler,
+  skipped damaged steps) of a resume.
+
+  Raises:
+    ConfigChangedError when hyperparameters differ from the checkpoint's train config and
+    neither `allow_change` nor `convert` allows it.
+  """
   model_config = run.model_config.to_dict()
   restored = ckpt.restore(state, recipe=run.recipe, model_config=model_config,
-                          optimizer_for=optimizer_for(cfg))
+                          optimizer_for=optimizer_for(cfg),
+                          allow_unverified=cfg.allow_unverified)
+  changes = config_changes((restored.extra or {}).get("train_config"), cfg,
+                           run.model_config.seq_len)
+  refused = [c for c in changes if c.split(" ", 1)[0] not in cfg.allow_change]
+  if refused and not cfg.convert:
+    fields = ",".join(c.split(" ", 1)[0] for c in refused)
+    raise ConfigChangedError(
+        f"--resume: {ckpt.directory} step {restored.step} was trained with other "
+        f"hyperparameters: {'; '.join(refused)}. Resume with the saved values, or pass "
+        f"--allow-change {fields} to continue with the new ones")
   seed = _saved_seed(restored)
   diffs = [d for d in (
       None if restored.saved_recipe == run.recipe else
@@ -402,7 +509,8 @@ def _resume(cfg: TrainConfig, run: Run, ckpt: ckpt_lib.Checkpointer,
   if seed is not None and seed != cfg.seed:
     # The data order follows this run's seed from here on (the position is kept).
     sampler = sampler._replace(seed=cfg.seed)
-  return restored.state, restored.step, restored.converted, sampler, restored.skipped
+  notes = restored.converted + tuple(f"hyperparameter changed on resume: {c}" for c in changes)
+  return restored.state, restored.step, notes, sampler, restored.skipped
 
 
 def _finite(x) -> bool:
@@ -417,7 +525,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
   final_val_bpb, val_bpb ([[step, bpb], ...]), tokens_per_s (median over timed steps),
   step_time_s, compile_s, memory (compiled step: argument/output/alias/temp bytes and
   argument_plus_temp), skipped_steps, nonfinite_steps, loss_scale, fingerprint,
-  converted (notes of a cross-recipe resume), skipped_checkpoints (damaged newer steps a
+  converted (notes of a cross-recipe resume, and the hyperparameter changes a resume was
+  allowed), skipped_checkpoints (damaged newer steps a
   resume passed over), corpus, history.
 
   Everything that can refuse the run (the checkpoint directory's lock and owner, nothing

@@ -275,7 +275,7 @@ def test_failed_save_leaves_the_last_good_step(saved, states, tmp_path, monkeypa
 
   monkeypatch.setattr(_integrity, "write_manifest", boom)
   with checkpoint.Checkpointer(d) as ckpt:
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(checkpoint.CheckpointWriteError, match="No space left.*ENOSPC"):
       ckpt.save(3, states[1], recipe=RECIPE, model_config=MODEL, seed=0)
     with pytest.raises(OSError, match="No space left"):  # replacing step 2: it survives
       ckpt.save(2, states[1], recipe=RECIPE, model_config=MODEL, seed=0)
@@ -422,13 +422,19 @@ def test_checkpoints_of_the_earlier_format_still_restore(states, tmp_path):
   _write_format1(d, 1, states[1], RECIPE, MODEL, DATA[1])
   _write_format1(d, 2, states[2], RECIPE, MODEL, DATA[2])
   assert checkpoint.Checkpointer(d).steps() == [1, 2]
-  r, warned = _restore(d)
+  # Steps without checksums are restored only when asked, and with a warning.
+  with pytest.raises(checkpoint.CheckpointDamagedError, match="step 2 carries no checksums.*"
+                     "step 1 carries no checksums.*allow_unverified=True"):
+    _restore(d)
+  with pytest.warns(checkpoint.CheckpointUnverifiedWarning, match="step 2 carries no checksums"):
+    checkpoint.restore(d, _target(), allow_unverified=True)
+  r, warned = _restore(d, allow_unverified=True)
   assert r.step == 2 and not r.verified and _equal(r.state, states[2]) and not warned
   # Damage Orbax notices is passed over like any other.
   big = max((os.path.join(root, f) for root, _, fs in os.walk(d / "2" / "state") for f in fs),
             key=os.path.getsize)
   os.truncate(big, 10)
-  r, warned = _restore(d)
+  r, warned = _restore(d, allow_unverified=True)
   assert r.step == 1 and _equal(r.state, states[1])
   assert "step 2: Orbax cannot read" in warned[0]
   # Such a directory is claimed only by the run its newest step belongs to.
@@ -457,7 +463,7 @@ def test_failed_orbax_reads_leave_no_event_loop_noise(tmp_path, capfd, monkeypat
   capfd.readouterr()
   for _ in range(10):
     with pytest.raises(checkpoint.CheckpointDamagedError, match="Orbax cannot read the arrays"):
-      checkpoint.restore(tmp_path, state, step=1)
+      checkpoint.restore(tmp_path, state, step=1, allow_unverified=True)
   time.sleep(0.5)  # late reports would arrive from TensorStore's threads
   import gc
   gc.collect()

@@ -108,7 +108,7 @@ def test_an_out_of_another_study_is_refused_and_kept(studied):
   ref, out, _ = studied
   before = open(os.path.join(out, "summary.json")).read()
   p = cli(os.path.join(TASKS, ref), "--recipes", RECIPES, "--seeds", "3", "--steps", "7",
-          "--out", out, "--no-progress")
+          "--eval-every", "3", "--out", out, "--no-progress")
   assert p.returncode == 2
   line, = p.stderr.strip().splitlines()
   assert line.startswith("error: ") and "another configuration (differs in: steps)" in line

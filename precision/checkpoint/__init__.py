@@ -23,6 +23,22 @@ Examples:
   >>> print(r.converted)
   >>> imported = checkpoint.import_orbax("/path/to/orbax_ckpt", state, recipe, optimizer=tx)
 
+What the checksums are for: the SHA-256 digests in each step's ``integrity.json`` detect
+accidental damage (a flipped byte, a truncated or missing file, a cut copy, a stray
+edit), not tampering. They are not a signature: anyone who can write the directory can
+change a file and rewrite its digest too, so they say nothing about who wrote a
+checkpoint. Restore only checkpoints from a source you trust, or sign them: with
+``save(..., key=secret)`` each step also carries an HMAC-SHA256 of its manifest, and
+``restore(..., key=secret)`` passes over (`CheckpointAuthenticityError`) any step that
+is unsigned, signed with another key or changed since. What restore does guard
+against on its own: names in a manifest never reach outside their step folder (no
+``..``, no absolute path), symbolic links are never followed (step folders, files, the
+lock, the run record), files of a newer format are refused (`CheckpointFormatError`:
+every file carries its format number and the writing version), and steps without
+checksums are restored only with ``allow_unverified=True``. Any path works, including
+one with ``[``, ``]``, ``*``, ``?`` or spaces (Orbax would read those as a pattern; they
+are handed to it so that no character is one).
+
 `TrainState` is `precision.TrainState`, the one state type of the package: a
 `precision.parallel.DataParallel` state is saved as ``dp.state_for_checkpoint(state)``
 (full shapes, any device count resumes it) and handed back with
@@ -30,13 +46,17 @@ Examples:
 """
 
 from precision._state import TrainState
+from precision.checkpoint._errors import CheckpointAuthenticityError
 from precision.checkpoint._errors import CheckpointDamagedError
 from precision.checkpoint._errors import CheckpointError
 from precision.checkpoint._errors import CheckpointFallbackWarning
+from precision.checkpoint._errors import CheckpointFormatError
 from precision.checkpoint._errors import CheckpointLockedError
 from precision.checkpoint._errors import CheckpointMismatchError
 from precision.checkpoint._errors import CheckpointOwnershipError
+from precision.checkpoint._errors import CheckpointUnverifiedWarning
 from precision.checkpoint._errors import CheckpointWarning
+from precision.checkpoint._errors import CheckpointWriteError
 from precision.checkpoint._errors import NoCheckpointError
 from precision.checkpoint._import import Imported
 from precision.checkpoint._import import import_orbax
@@ -47,13 +67,17 @@ from precision.checkpoint._manager import save
 from precision.checkpoint._owner import RunRecord
 
 __all__ = [
+    "CheckpointAuthenticityError",
     "CheckpointDamagedError",
     "CheckpointError",
     "CheckpointFallbackWarning",
+    "CheckpointFormatError",
     "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointOwnershipError",
+    "CheckpointUnverifiedWarning",
     "CheckpointWarning",
+    "CheckpointWriteError",
     "Checkpointer",
     "Imported",
     "NoCheckpointError",

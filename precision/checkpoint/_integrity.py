@@ -14,12 +14,22 @@ Each step therefore gets ``integrity.json``:
     damaged file.
 
 SHA-256 (not a CRC) because the digest also serves as the identity of what was saved;
-hashing runs at about 1-2 GB/s, small next to the write.
+hashing runs at about 1-2 GB/s, small next to the write. The digests guard against
+accidental damage (a bad disk, a cut copy, a stray edit), not against someone who can
+write the directory: whoever changes a file can rewrite the manifest to match. With a
+secret key (``save(..., key=)``) each step also gets ``integrity.hmac``, the
+HMAC-SHA256 of the manifest's bytes, and ``restore(..., key=)`` accepts only steps whose
+manifest carries a matching HMAC: a change by someone without the key is detected.
+
+The manifest's file names are confined to the step folder (`_files.confined`): a name
+with ``..``, an absolute name, or a symbolic link anywhere in the step (the step folder
+included) is damage, never followed; so is a file the manifest does not list.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 from typing import Any
@@ -27,18 +37,22 @@ from typing import Any
 import jax
 import numpy as np
 
+from precision.checkpoint import _files
 from precision.checkpoint import _keys
 from precision.checkpoint import _tree
+from precision.checkpoint._errors import CheckpointAuthenticityError
 from precision.checkpoint._errors import CheckpointDamagedError
 
 MANIFEST = "integrity.json"
 MANIFEST_FORMAT = 1
+SIGNATURE = "integrity.hmac"  # written only with a key: HMAC-SHA256 of the manifest's bytes
+SIGNATURE_FORMAT = 1
 _CHUNK = 1 << 20
 
 
 def file_digest(path: str) -> str:
   h = hashlib.sha256()
-  with open(path, "rb") as f:
+  with _files.open_regular_binary(path) as f:  # never through a symbolic link
     while chunk := f.read(_CHUNK):
       h.update(chunk)
   return h.hexdigest()
@@ -78,66 +92,151 @@ def array_digests(tree: Any) -> dict[str, dict]:
   return out
 
 
-def _files(step_dir: str) -> list[str]:
-  """Relative POSIX paths of every regular file under step_dir but the manifest, sorted."""
-  found = []
+def _walk(step_dir: str) -> tuple[list[str], list[str]]:
+  """(files, links): relative POSIX paths of the regular files under step_dir but the
+  manifest, and of every symbolic link (to a file or a folder, never followed), sorted."""
+  found, links = [], []
   for root, dirs, files in os.walk(step_dir):
     dirs.sort()
-    for name in files:
-      rel = os.path.relpath(os.path.join(root, name), step_dir).replace(os.sep, "/")
-      if rel != MANIFEST:
+    for name in dirs + files:
+      full = os.path.join(root, name)
+      rel = os.path.relpath(full, step_dir).replace(os.sep, "/")
+      if os.path.islink(full):
+        links.append(rel)
+      elif name in files and rel not in (MANIFEST, SIGNATURE):
         found.append(rel)
-  return sorted(found)
+  return sorted(found), sorted(links)
 
 
 def _body_digest(body: dict) -> str:
   return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def write_json(path: str, obj: Any) -> None:
-  """Writes JSON to `path` durably: a temporary file, fsync, atomic rename."""
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, sort_keys=True, allow_nan=False)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
-def fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+write_json = _files.write_json
+fsync_dir = _files.fsync_dir
 
 
 def write_manifest(step_dir: str, step: int, arrays: dict[str, dict]) -> None:
   """Hashes every file now under step_dir and writes the manifest next to them."""
+  found, links = _walk(step_dir)
+  if links:
+    raise ValueError(f"{step_dir} holds a symbolic link ({links[0]}); a step holds files")
   files = {rel: {"bytes": os.path.getsize(os.path.join(step_dir, rel)),
                  "sha256": file_digest(os.path.join(step_dir, rel))}
-           for rel in _files(step_dir)}
-  body = {"format": MANIFEST_FORMAT, "step": int(step), "files": files, "arrays": arrays}
+           for rel in found}
+  body = _files.stamp({"step": int(step), "files": files, "arrays": arrays},
+                      MANIFEST_FORMAT)
   write_json(os.path.join(step_dir, MANIFEST), {**body, "sha256": _body_digest(body)})
 
 
+def check_key(key: Any) -> bytes | None:
+  """The HMAC key as bytes (a str is UTF-8 encoded); None stays None.
+
+  Raises:
+    ValueError for anything else, or a key shorter than 16 bytes.
+  """
+  if key is None:
+    return None
+  if isinstance(key, str):
+    key = key.encode()
+  if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+    raise ValueError(f"key of type {type(key).__name__}"
+                     + (f" and {len(key)} bytes" if isinstance(key, (bytes, bytearray)) else "")
+                     + "; accepted: None, or bytes / str of at least 16 bytes (a secret)")
+  return bytes(key)
+
+
+def _key_id(key: bytes) -> str:
+  """A public name of the key (not the key): the first 16 hex digits of its SHA-256."""
+  return hashlib.sha256(b"precision.checkpoint key id:" + key).hexdigest()[:16]
+
+
+def sign(step_dir: str, key: bytes) -> None:
+  """Writes SIGNATURE: the HMAC-SHA256 with `key` of the manifest's exact bytes."""
+  mac = hmac.new(key, _files.read_bytes(os.path.join(step_dir, MANIFEST)), hashlib.sha256)
+  write_json(os.path.join(step_dir, SIGNATURE), _files.stamp(
+      {"alg": "HMAC-SHA256", "key_id": _key_id(key), "hmac": mac.hexdigest()},
+      SIGNATURE_FORMAT))
+
+
+def check_signature(step_dir: str, key: bytes, what: str) -> None:
+  """Checks that the step's manifest was signed with `key` (and not changed since).
+
+  Raises:
+    CheckpointAuthenticityError when the step is unsigned, signed with another key, or its
+    manifest differs from what was signed.
+  """
+  path = os.path.join(step_dir, SIGNATURE)
+  if not os.path.lexists(path):
+    raise CheckpointAuthenticityError(
+        f"{what} is not signed (no {SIGNATURE}): it was saved without a key, and a restore "
+        "with key= accepts signed steps only")
+  try:
+    sig = _files.read_json(path)
+    if not isinstance(sig, dict):
+      raise ValueError("it is not a JSON object")
+    _files.check_format(sig, SIGNATURE_FORMAT, f"{what}: its {SIGNATURE}")
+    manifest = _files.read_bytes(os.path.join(step_dir, MANIFEST))
+  except (OSError, ValueError) as e:
+    raise CheckpointAuthenticityError(f"{what}: its {SIGNATURE} or {MANIFEST} cannot be "
+                                      f"read ({e})") from None
+  if sig.get("key_id") != _key_id(key):
+    raise CheckpointAuthenticityError(
+        f"{what} was signed with another key (key id {sig.get('key_id')!r}; the key given "
+        f"has id {_key_id(key)!r})")
+  good = hmac.new(key, manifest, hashlib.sha256).hexdigest()
+  if not isinstance(sig.get("hmac"), str) or not hmac.compare_digest(sig["hmac"], good):
+    raise CheckpointAuthenticityError(
+        f"{what} fails its HMAC: its {MANIFEST} was changed by someone without the key")
+
+
 def has_manifest(step_dir: str) -> bool:
-  return os.path.isfile(os.path.join(step_dir, MANIFEST))
+  """Whether the step folder has a manifest (a link named so counts: it is refused as
+  damage when read, rather than making the step look like an unverified one)."""
+  path = os.path.join(step_dir, MANIFEST)
+  return os.path.isfile(path) or os.path.islink(path)
+
+
+def _entry_ok(entry: Any) -> bool:
+  return (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+          and isinstance(entry.get("bytes"), int) and not isinstance(entry["bytes"], bool))
 
 
 def read_manifest(step_dir: str, what: str) -> dict:
-  """The manifest of a step, checked against its own digest. `what` names the step in errors."""
+  """The manifest of a step, checked against its own digest. `what` names the step in errors.
+
+  Raises:
+    CheckpointFormatError for a manifest of a newer format; CheckpointDamagedError for
+    one that cannot be read, does not match its digest, or names a file outside the step.
+  """
   path = os.path.join(step_dir, MANIFEST)
   try:
-    with open(path) as f:
-      manifest = json.load(f)
+    if os.path.islink(step_dir):
+      raise ValueError("the step folder is a symbolic link")
+    manifest = _files.read_json(path)
+    if not isinstance(manifest, dict):
+      raise ValueError("it is not a JSON object")
+    # A newer format is refused before its digest is checked (it may digest otherwise).
+    _files.check_format(manifest, MANIFEST_FORMAT, f"{what}: its {MANIFEST}", strict=False)
     body = {k: v for k, v in manifest.items() if k != "sha256"}
-    ok = manifest.get("sha256") == _body_digest(body) and isinstance(body.get("files"), dict)
+    ok = (manifest.get("sha256") == _body_digest(body) and isinstance(body.get("files"), dict)
+          and isinstance(body.get("arrays", {}), dict))
+    if ok:
+      _files.check_format(manifest, MANIFEST_FORMAT, f"{what}: its {MANIFEST}")
   except (OSError, ValueError, AttributeError) as e:
     raise CheckpointDamagedError(f"{what} is damaged: its {MANIFEST} cannot be read ({e})") from e
   if not ok:
     raise CheckpointDamagedError(f"{what} is damaged: its {MANIFEST} does not match its own "
                                  "checksum")
+  for rel, entry in manifest["files"].items():
+    try:
+      _files.confined(step_dir, rel)
+    except _files.UnsafeName as e:
+      raise CheckpointDamagedError(f"{what} is damaged: its {MANIFEST} lists a file "
+                                   f"outside the step ({e}); nothing of it was read") from None
+    if not _entry_ok(entry):
+      raise CheckpointDamagedError(f"{what} is damaged: its {MANIFEST} entry for {rel} is "
+                                   f"{entry!r}, not {{'bytes': int, 'sha256': str}}")
   return manifest
 
 
@@ -145,20 +244,34 @@ def verify_files(step_dir: str, what: str, only: tuple[str, ...] | None = None) 
   """Checks every file listed in the manifest (or only those in `only`); returns it.
 
   Raises:
-    CheckpointDamagedError naming the first missing, resized or changed file.
+    CheckpointDamagedError naming the first missing, resized or changed file, a symbolic
+    link anywhere in the step, or (checking every file) a file the manifest does not list.
   """
   manifest = read_manifest(step_dir, what)
+  found, links = _walk(step_dir)
+  if links:
+    raise CheckpointDamagedError(f"{what} is damaged: {links[0]} is a symbolic link (a "
+                                 "step holds files only; links are never followed)")
+  if only is None:
+    unlisted = sorted(set(found) - set(manifest["files"]))
+    if unlisted:
+      raise CheckpointDamagedError(f"{what} is damaged: file {unlisted[0]} is not in its "
+                                   f"{MANIFEST} (added after the save)")
   for rel, expect in sorted(manifest["files"].items()):
     if only is not None and rel not in only:
       continue
-    path = os.path.join(step_dir, rel)
+    path = _files.confined(step_dir, rel)
     if not os.path.isfile(path):
       raise CheckpointDamagedError(f"{what} is damaged: file {rel} is missing")
     size = os.path.getsize(path)
     if size != expect["bytes"]:
       raise CheckpointDamagedError(
           f"{what} is damaged: file {rel} has {size} bytes, {expect['bytes']} were written")
-    if file_digest(path) != expect["sha256"]:
+    try:
+      digest = file_digest(path)
+    except OSError as e:
+      raise CheckpointDamagedError(f"{what}: file {rel} cannot be read ({e})") from None
+    if digest != expect["sha256"]:
       raise CheckpointDamagedError(
           f"{what} is damaged: file {rel} has changed (its SHA-256 differs from the one "
           "written with it)")

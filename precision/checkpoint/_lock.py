@@ -7,6 +7,10 @@ it and reports the dead owner it replaced. While held, the file records the hold
 host, run id, since when) so a refused writer is told who holds it. flock needs a local
 (or NFSv4) POSIX filesystem; where it is unsupported the writer is refused with an error
 saying so, rather than writing without a lock.
+
+The file is opened with ``O_NOFOLLOW`` and must be a regular file with one link: a
+symbolic or hard link planted under its name (to make the writer truncate another file)
+is refused, never written through.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import errno
 import json
 import os
 import socket
+import stat
 from typing import Any
+
+from precision.checkpoint import _files
 
 from precision.checkpoint._errors import CheckpointLockedError
 
@@ -68,7 +75,23 @@ class WriterLock:
       raise CheckpointLockedError(
           f"Cannot lock {self.path}: this platform has no fcntl.flock; checkpoints are "
           "written only under a writer lock")
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                   | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except OSError as e:
+      why = ("it is a symbolic link" if os.path.islink(self.path) else
+             f"{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})")
+      raise CheckpointLockedError(f"Cannot take the writer lock {self.path}: {why}; "
+                                  "remove it (the lock is a plain file precision "
+                                  "creates)") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+      os.close(fd)
+      raise CheckpointLockedError(
+          f"Cannot take the writer lock {self.path}: it is "
+          + ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+             f"a file with {st.st_nlink} hard links (another file's name)")
+          + "; remove it (the lock is a plain file precision creates)")
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -85,16 +108,38 @@ class WriterLock:
           "flock; write checkpoints to a local or NFSv4 directory") from e
     # A holder that released cleanly emptied the file; a name still there belongs to a
     # process that ended without releasing (killed): the system freed its lock.
-    old = self._read(fd)
-    if old:
-      self.replaced = _describe(old)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
-          "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, json.dumps(me).encode())
-    os.fsync(fd)
+    try:
+      old = self._read(fd)
+      if old:
+        self.replaced = _describe(old)
+      me = _files.stamp(
+          {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
+           "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+          1)
+      os.ftruncate(fd, 0)
+      os.lseek(fd, 0, os.SEEK_SET)
+      os.write(fd, json.dumps(me).encode())
+      os.fsync(fd)
+    except BaseException:
+      try:
+        os.ftruncate(fd, 0)  # not held: no holder recorded
+      except OSError:
+        pass
+      fcntl.flock(fd, fcntl.LOCK_UN)
+      os.close(fd)
+      raise
     self._fd = fd
+
+  def still_there(self) -> bool:
+    """Whether the held lock file is still the one at its path (not deleted or moved)."""
+    if self._fd is None:
+      return False
+    try:
+      st = os.lstat(self.path)
+    except OSError:
+      return False
+    mine = os.fstat(self._fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
   def release(self) -> None:
     if self._fd is None:

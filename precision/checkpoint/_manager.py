@@ -12,11 +12,16 @@ Layout of a checkpoint directory:
 
 A step is written into ``.tmp-<step>-<id>`` (arrays, metadata, then the checksums) and
 renamed to ``<step>`` only when complete, so a process killed in the middle of a save
-leaves the previous steps intact and no half-written ``<step>`` behind. Only folders named
-by a step number that hold ``integrity.json`` are checkpoints (plus the complete steps of
-format 1, written by earlier versions through an Orbax CheckpointManager, restored
-without checksums); an empty, partial or stray numeric folder is reported, never read.
-Saves are synchronous: `save` returns when the step is on disk.
+leaves the previous steps intact and no half-written ``<step>`` behind. Before the rename
+every file of the step is fsynced and the step is read back (manifest, metadata, Orbax's
+array metadata): a save that could not be restored fails at once, and older steps are
+deleted (`keep`) only after the new one is durable. Only folders named by a step number
+that hold ``integrity.json`` are checkpoints (plus the complete steps of format 1, written
+by earlier versions through an Orbax CheckpointManager, restored without checksums only
+with ``allow_unverified=True``); an empty, partial, linked or stray numeric folder is
+reported, never read. Saves are synchronous: `save` returns when the step is on disk; a
+write that fails (disk full, read-only, no permission) is one `CheckpointWriteError`
+naming the path and the errno.
 
 `restore` verifies a step's files before Orbax reads them and its arrays after: a damaged
 newest step is reported by name (a `CheckpointFallbackWarning`, and `Restored.skipped`)
@@ -28,6 +33,7 @@ process (all the devices of one host); a multi-process job is refused at `save`.
 
 from __future__ import annotations
 
+import errno
 import json
 import numbers
 import os
@@ -43,16 +49,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 from precision._recipe import Recipe
 from precision._state import TrainState
 from precision.checkpoint import _convert
+from precision.checkpoint import _files
 from precision.checkpoint import _integrity
 from precision.checkpoint import _keys
 from precision.checkpoint import _orbax
 from precision.checkpoint import _owner
 from precision.checkpoint import _tree
+from precision.checkpoint._errors import CheckpointAuthenticityError
 from precision.checkpoint._errors import CheckpointDamagedError
 from precision.checkpoint._errors import CheckpointError
 from precision.checkpoint._errors import CheckpointFallbackWarning
+from precision.checkpoint._errors import CheckpointFormatError
 from precision.checkpoint._errors import CheckpointOwnershipError
+from precision.checkpoint._errors import CheckpointUnverifiedWarning
 from precision.checkpoint._errors import CheckpointWarning
+from precision.checkpoint._errors import CheckpointWriteError
 from precision.checkpoint._errors import NoCheckpointError
 from precision.checkpoint._lock import WriterLock
 
@@ -75,7 +86,8 @@ class Restored(NamedTuple):
   the seed and run id saved with the step (None when not recorded). skipped: one line per
   newer step passed over because it is damaged (empty when the newest step was
   restored). verified: whether the step carried checksums (False only for steps written
-  by earlier versions without them).
+  by earlier versions without them). authenticated: whether its HMAC was checked against
+  the key given to the restore (False without a key).
   """
 
   state: TrainState
@@ -90,6 +102,7 @@ class Restored(NamedTuple):
   run_id: str | None = None
   skipped: tuple[str, ...] = ()
   verified: bool = True
+  authenticated: bool = False
 
 
 def _json_data(data: Any) -> dict | None:
@@ -134,11 +147,28 @@ class _Scan(NamedTuple):
 
 
 def _read_meta(step_dir: str) -> dict:
-  with open(os.path.join(step_dir, _META)) as f:
-    meta = json.load(f)
+  """The step's metadata JSON, read inside the step folder only (no link followed).
+
+  Raises:
+    CheckpointFormatError for metadata of a newer format; OSError / ValueError when it
+    cannot be read.
+  """
+  meta = _files.read_json(_files.confined(step_dir, _META.replace(os.sep, "/")))
   if not isinstance(meta, dict):
     raise ValueError("the metadata is not a JSON object")
+  _files.check_format(meta, FORMAT_VERSION, f"Checkpoint step folder {step_dir}: its metadata")
   return meta
+
+
+def _saved_recipe(d: Any, what: str) -> Recipe:
+  """The Recipe of a saved recipe dict; one line naming the problem otherwise."""
+  try:
+    return Recipe.from_dict(d)
+  except (ValueError, TypeError, KeyError, AttributeError) as e:
+    raise CheckpointFormatError(
+        f"{what}: the saved recipe is not one this version of precision ({_files.version()}) "
+        f"reads ({type(e).__name__}: {' '.join(str(e).split())}); it was written by a "
+        "newer version, or edited") from None
 
 
 def _is_legacy(step_dir: str) -> bool:
@@ -148,12 +178,17 @@ def _is_legacy(step_dir: str) -> bool:
     return False
   try:
     return _read_meta(step_dir).get("format") == _LEGACY_FORMAT
-  except (OSError, ValueError):
+  except (OSError, ValueError, CheckpointFormatError):
     return False
 
 
 class Checkpointer:
   """Saves TrainStates under `directory/<step>`, keeping the last `keep` steps.
+
+  With a secret `key` (bytes or str, at least 16 bytes) every step saved is signed
+  (HMAC-SHA256 of its manifest, in ``integrity.hmac``) and a restore accepts only steps
+  signed with that key (`CheckpointAuthenticityError`, passed over like damage):
+  authenticity, which the SHA-256 digests alone do not give.
 
   Creating a Checkpointer touches nothing on disk. The first `save` (or `acquire`)
   creates the directory, takes its writer lock (held until `close`) and records the run
@@ -167,14 +202,17 @@ class Checkpointer:
     >>> r.step, r.skipped
   """
 
-  def __init__(self, directory: str | os.PathLike, *, keep: int = 3):
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 3,
+               key: bytes | str | None = None):
     if isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 1:
       raise ValueError(f"keep={keep!r}; accepted: an integer >= 1 (number of checkpoints "
                        "kept)")
+    self._key = _integrity.check_key(key)
     self.directory = os.path.abspath(os.fspath(directory))
     self.keep = int(keep)
     self._lock: WriterLock | None = None
     self._record: _owner.RunRecord | None = None
+    self._identity: tuple[int, int] | None = None
     self.cleaned: list[str] = []  # unfinished saves `acquire` removed
 
   def __enter__(self) -> Checkpointer:
@@ -209,6 +247,9 @@ class Checkpointer:
         continue  # not step-like: the run record, the lock, the user's own files
       if not _STEP_NAME.fullmatch(name):
         bad.append((name, "not a step name precision writes"))
+      elif os.path.islink(path):
+        bad.append((name, "a symbolic link; step folders are never links, and never "
+                          "followed"))
       elif not os.path.isdir(path):
         bad.append((name, "a file, not a step folder"))
       elif _integrity.has_manifest(path):
@@ -248,6 +289,8 @@ class Checkpointer:
     """
     step = self._resolve(step)[0]
     if self._scan().steps[step]:
+      if self._key is not None:
+        _integrity.check_signature(self._step_dir(step), self._key, self._what(step))
       _integrity.verify_files(self._step_dir(step), self._what(step))
 
   def _resolve(self, step: int | None) -> list[int]:
@@ -285,7 +328,8 @@ class Checkpointer:
   def restore(self, target: TrainState, *, step: int | None = None,
               recipe: Recipe | None = None, model_config: dict | None = None,
               optimizer_for: Callable[[Recipe], Any] | None = None,
-              mesh: jax.sharding.Mesh | None = None) -> Restored:
+              mesh: jax.sharding.Mesh | None = None,
+              allow_unverified: bool = False) -> Restored:
     """Restores checkpoint `step` (the newest intact one when None) into `target`.
 
     The step's files are checked against the checksums written with them before Orbax
@@ -303,19 +347,25 @@ class Checkpointer:
       optimizer_for: recipe -> the optax transformation built for it (same inner
         optimizer as the run used); needed for a cross-recipe restore.
       mesh: leaves of `target` without a sharding are restored replicated on `mesh`.
+      allow_unverified: restore a step without checksums (format 1, written by earlier
+        versions; or one whose integrity.json was deleted), with a
+        `CheckpointUnverifiedWarning`. Without it such a step counts as damaged: passed
+        over (fallback) or, when it is the only one or `step`, refused.
 
     Raises:
       NoCheckpointError (a FileNotFoundError) when the directory holds no complete step
       (it is not created); CheckpointDamagedError when no candidate step is intact;
       CheckpointMismatchError (a ValueError) naming the first differing leaf (and model
-      config field) when the target does not fit the checkpoint.
+      config field) when the target does not fit the checkpoint; CheckpointFormatError
+      for a step written by a newer version of precision.
     """
     _check_state("target", target)
     candidates = self._resolve(step)
     skipped: list[str] = []
     for s in candidates:
       try:
-        r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh)
+        r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh,
+                               allow_unverified)
       except CheckpointDamagedError as e:
         if step is not None:
           raise
@@ -338,10 +388,21 @@ class Checkpointer:
         f"No intact checkpoint in {self.directory}: " + " | ".join(skipped))
 
   def _restore_step(self, step, target, recipe, model_config, optimizer_for,
-                    mesh) -> Restored:
+                    mesh, allow_unverified=False) -> Restored:
     what = self._what(step)
     step_dir = self._step_dir(step)
     verified = _integrity.has_manifest(step_dir)
+    if self._key is not None:
+      if not verified:
+        raise CheckpointAuthenticityError(
+            f"{what} carries no checksums, so no signature; a restore with key= accepts "
+            "signed steps only")
+      _integrity.check_signature(step_dir, self._key, what)
+    if not verified and not allow_unverified:
+      raise CheckpointDamagedError(
+          f"{what} carries no checksums (no {_integrity.MANIFEST}: written by a precision "
+          f"without them, format {_LEGACY_FORMAT}, or its {_integrity.MANIFEST} was "
+          "deleted); pass allow_unverified=True to restore it unverified")
     manifest = _integrity.verify_files(step_dir, what) if verified else None
     try:
       meta = _read_meta(step_dir)
@@ -350,11 +411,14 @@ class Checkpointer:
       raise CheckpointDamagedError(f"{what} is damaged: its metadata cannot be read "
                                    f"({type(e).__name__}: {e})") from None
     try:
-      saved_recipe = Recipe.from_dict(saved_recipe_dict)
-    except ValueError as e:
+      saved_recipe = _saved_recipe(saved_recipe_dict, what)
+    except CheckpointFormatError as e:
       if not verified:
         raise CheckpointDamagedError(f"{what} is damaged: its recipe is invalid ({e})") from None
-      raise ValueError(f"{what}: the saved recipe is invalid: {e}") from None
+      raise
+    if not verified:
+      warnings.warn(f"{what} carries no checksums: restored unverified "
+                    "(allow_unverified=True)", CheckpointUnverifiedWarning, stacklevel=3)
     state_dir = os.path.join(step_dir, _STATE)
 
     def read(fn, *args):
@@ -394,7 +458,7 @@ class Checkpointer:
     def finish(state: TrainState, notes: tuple[str, ...]) -> Restored:
       return Restored(state, step, recipe, saved_recipe, meta.get("model_config"),
                       meta.get("data"), meta.get("extra"), notes, meta.get("seed"),
-                      meta.get("run_id"), (), verified)
+                      meta.get("run_id"), (), verified, self._key is not None)
 
     if not converting:
       diff = _tree.first_difference(saved, _tree.shapes_by_path(abstract))
@@ -450,36 +514,82 @@ class Checkpointer:
 
     Raises:
       CheckpointLockedError naming the holder when another live process writes here;
-      OSError when the directory cannot be created or written.
+      CheckpointWriteError (an OSError) naming the path and errno when the directory or
+      its lock cannot be created or written; CheckpointError when the directory this
+      writer locked has vanished since.
     """
     if self._lock is not None and self._lock.held:
+      self._check_still_there()
       return
     try:
       os.makedirs(self.directory, exist_ok=True)
     except FileExistsError:
       raise NotADirectoryError(f"Checkpoint directory {self.directory} is a file") from None
+    except OSError as e:
+      raise CheckpointWriteError(f"Checkpoint directory {self.directory} cannot be created: "
+                                 f"{_oserror(e)} at {e.filename or self.directory}", e,
+                                 e.filename or self.directory) from None
     lock = WriterLock(self.directory)
     try:
       record = _owner.read(self.directory)
     except CheckpointDamagedError:
       record = None  # reported by claim, under the lock
-    lock.acquire(record.run_id if record else None)
+    try:
+      lock.acquire(record.run_id if record else None)
+    except CheckpointError:
+      raise
+    except OSError as e:
+      raise CheckpointWriteError(f"Checkpoint directory {self.directory}: the writer lock "
+                                 f"cannot be written: {_oserror(e)} at {lock.path}", e,
+                                 lock.path) from None
     self._lock = lock
+    self._identity = _identity(self.directory)
     if lock.replaced:
       warnings.warn(f"Checkpoint directory {self.directory}: took over the writer lock of "
                     f"{lock.replaced}, which ended without releasing it",
                     CheckpointWarning, stacklevel=2)
     self._clean_partial()
 
+  def _write_record(self, record: _owner.RunRecord) -> None:
+    path = os.path.join(self.directory, _owner.RECORD_FILE)
+    try:
+      _owner.write(self.directory, record)
+    except OSError as e:
+      raise CheckpointWriteError(f"Checkpoint directory {self.directory}: the run record "
+                                 f"cannot be written: {_oserror(e)} at {path}", e, path) from None
+
+  def _check_still_there(self) -> None:
+    """Raises CheckpointError when the directory this writer locked was deleted, moved
+    or replaced since: the writer stops instead of recreating it (its steps are gone)."""
+    now = _identity(self.directory)
+    if now != self._identity or not self._lock.still_there():
+      what = "vanished" if now is None else "was replaced by another folder"
+      raise CheckpointError(
+          f"Checkpoint directory {self.directory} {what} while this writer held its lock "
+          "(deleted or moved by someone else); the writer stopped rather than recreate it "
+          "and write steps without their predecessors. Restore the directory, or start "
+          "the run again in a new one")
+
   def _clean_partial(self) -> None:
     names = os.listdir(self.directory)
     for name in sorted(names):
+      if name.startswith(f".{_owner.RECORD_FILE}.tmp-"):
+        # A run record a killed writer never renamed in (or a name planted to catch one):
+        # removed, never opened (the name only, a link is not followed).
+        try:
+          os.unlink(os.path.join(self.directory, name))
+        except OSError:
+          pass  # a folder of that name is not ours to remove
+        continue
       m = _PARTIAL.fullmatch(name)
       if not m:
         continue
       path = os.path.join(self.directory, name)
+      if os.path.islink(path):
+        os.unlink(path)  # never a save of ours; never followed into
+        continue
       final = self._step_dir(int(m.group(2))) if m.group(1) == "old" else None
-      if final is not None and not os.path.exists(final):
+      if final is not None and not os.path.lexists(final):
         os.rename(path, final)  # the replacement never arrived: keep the step it replaced
       else:
         shutil.rmtree(path, ignore_errors=True)
@@ -506,7 +616,7 @@ class Checkpointer:
     record = self._record or _owner.read(self.directory)
     if record is None:
       record = self._record_from_steps(recipe, model_config, seed)
-      _owner.write(self.directory, record)
+      self._write_record(record)
     diff = _owner.difference(record, recipe, model_config, seed)
     if diff is not None:
       raise CheckpointOwnershipError(
@@ -522,7 +632,7 @@ class Checkpointer:
     if steps:
       try:
         meta = _read_meta(self._step_dir(steps[-1]))
-        saved = Recipe.from_dict(meta["recipe"])
+        saved = _saved_recipe(meta["recipe"], self._what(steps[-1]))
         legacy = _owner.create(saved, meta.get("model_config"), meta.get("seed"))
       except (OSError, ValueError, KeyError):
         legacy = None
@@ -546,7 +656,7 @@ class Checkpointer:
     old = _owner.read(self.directory)
     record = (_owner.create(recipe, model_config, seed) if old is None else
               _owner.adopted(old, recipe, model_config, seed, reason))
-    _owner.write(self.directory, record)
+    self._write_record(record)
     self._record = record
     return self.claim(recipe=recipe, model_config=model_config, seed=seed)
 
@@ -570,32 +680,89 @@ class Checkpointer:
           "this host); accepted: a single-process job")
     _check_json("extra", extra)
     record = self.claim(recipe=recipe, model_config=model_config, seed=seed)
-    meta = {"format": FORMAT_VERSION, "step": step, "recipe": recipe.to_dict(),
-            "model_config": model_config, "seed": None if seed is None else int(seed),
-            "run_id": record.run_id, "data": _json_data(data), "extra": extra}
+    meta = _files.stamp({"step": step, "recipe": recipe.to_dict(),
+                         "model_config": model_config,
+                         "seed": None if seed is None else int(seed),
+                         "run_id": record.run_id, "data": _json_data(data), "extra": extra},
+                        FORMAT_VERSION)
     _check_json("meta", meta)
     tmp = os.path.join(self.directory, f".tmp-{step}-{uuid.uuid4().hex[:8]}")
     final = self._step_dir(step)
-    os.makedirs(tmp)
+    try:
+      os.mkdir(tmp)  # not makedirs: a vanished directory is never recreated here
+    except OSError as e:
+      raise self._disk_error(step, e, tmp) from None
+    old = None
     try:
       arrays = _integrity.array_digests(state)
       _orbax.save_item(os.path.join(tmp, _STATE), _keys.to_data(state))  # keys as uint32 data
-      os.makedirs(os.path.join(tmp, "meta"))
+      os.mkdir(os.path.join(tmp, "meta"))
       _integrity.write_json(os.path.join(tmp, _META), meta)
       _integrity.write_manifest(tmp, step, arrays)
-      _integrity.fsync_dir(tmp)
-      old = None
+      if self._key is not None:
+        _integrity.sign(tmp, self._key)
+      # Durable before anything older is touched: every file and folder fsynced, then
+      # the manifest and array metadata read back through Orbax as a restore would.
+      _files.fsync_tree(tmp)
+      self._read_back(tmp, step, arrays)
       if os.path.lexists(final):
         old = os.path.join(self.directory, f".old-{step}-{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
       os.rename(tmp, final)
       _integrity.fsync_dir(self.directory)
-    except BaseException:
+    except BaseException as e:
       shutil.rmtree(tmp, ignore_errors=True)
+      if old is not None and not os.path.lexists(final):
+        try:
+          os.rename(old, final)  # the step it was to replace stays
+        except OSError:
+          pass  # put back by the next writer's acquire (it is named .old-<step>-...)
+      if isinstance(e, OSError):
+        raise self._disk_error(step, e, tmp) from None
       raise
     if old is not None:
       shutil.rmtree(old, ignore_errors=True)
     self._retain(step)
+
+  def _disk_error(self, step: int, e: OSError, where: str) -> CheckpointWriteError:
+    """One line naming the path and the errno of a failed write; the last good step kept."""
+    path = e.filename or where
+    try:
+      kept = [s for s in self.steps() if s != step]
+    except CheckpointError:
+      kept = []
+    return CheckpointWriteError(
+        f"{self._what(step)}: the save failed: {_oserror(e)} at {path}; "
+        + (f"the last good step {kept[-1]} is intact" if kept else "no earlier step exists")
+        + " and nothing was deleted", e, path)
+
+  def _read_back(self, tmp: str, step: int, arrays: dict) -> None:
+    """Reads a just-written step back (manifest, metadata, Orbax's array metadata) and
+    checks it lists what was saved, or raises CheckpointError: a save that cannot be
+    restored fails now, not at the restore."""
+    what = f"{self._what(step)} (just written)"
+    try:
+      manifest = _integrity.read_manifest(tmp, what)
+      _read_meta(tmp)
+      tree = _orbax.item_tree(os.path.join(tmp, _STATE), what)
+      got = _keys.typed_shapes(_tree.shapes_by_path(tree), manifest, what)
+    except (CheckpointError, ValueError) as e:
+      raise CheckpointError(f"{what}: the save cannot be read back ({e}); the earlier "
+                            "steps are kept") from None
+    name = lambda d: getattr(d, "name", str(d))
+    got = {k: (list(shape), name(dtype)) for k, (shape, dtype) in got.items()}
+    expect = {k: (list(e["shape"]), e["dtype"]) for k, e in manifest["arrays"].items()}
+    if manifest["arrays"] != arrays:
+      detail = "its manifest does not list the arrays saved"
+    elif set(got) != set(expect):
+      odd = sorted(set(got) ^ set(expect))[0]
+      detail = f"array '{odd}' is not in both its manifest and its item"
+    else:
+      k = next((k for k in expect if got[k] != expect[k]), None)
+      detail = None if k is None else f"array '{k}' reads back as {got[k]}, saved as {expect[k]}"
+    if detail is not None:
+      raise CheckpointError(f"{what}: the save cannot be read back ({detail}); the earlier "
+                            "steps are kept")
 
   def _retain(self, step: int) -> None:
     steps = self.steps()
@@ -603,7 +770,13 @@ class Checkpointer:
     for s in steps:
       if s not in kept:
         doomed = os.path.join(self.directory, f".del-{s}-{uuid.uuid4().hex[:8]}")
-        os.rename(self._step_dir(s), doomed)  # never a half-deleted step folder
+        try:
+          os.rename(self._step_dir(s), doomed)  # never a half-deleted step folder
+        except OSError as e:
+          path = self._step_dir(s)
+          raise CheckpointWriteError(
+              f"{self._what(step)} is saved, but removing old step {s} failed: "
+              f"{_oserror(e)} at {path}", e, path) from None
         shutil.rmtree(doomed, ignore_errors=True)
 
   def close(self) -> None:
@@ -612,6 +785,21 @@ class Checkpointer:
       self._lock.release()
       self._lock = None
     self._record = None
+
+
+def _oserror(e: OSError) -> str:
+  """'No space left on device (ENOSPC)' for an OSError."""
+  code = errno.errorcode.get(e.errno) if e.errno else None
+  return f"{e.strerror or e} ({code or type(e).__name__})"
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+  """(device, inode) of the folder at `path`, None when there is none."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None
+  return (st.st_dev, st.st_ino)
 
 
 def _raw_subtree(tree: Any, saved: dict, key: str) -> Any:
@@ -624,9 +812,10 @@ def _raw_subtree(tree: Any, saved: dict, key: str) -> Any:
 
 def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: Recipe,
          model_config: dict | None = None, seed: int | None = None, data: Any = None,
-         extra: dict | None = None, keep: int = 3) -> None:
-  """One-shot `Checkpointer(directory, keep=keep).save(...)` (lock released after)."""
-  with Checkpointer(directory, keep=keep) as ckpt:
+         extra: dict | None = None, keep: int = 3, key: bytes | str | None = None) -> None:
+  """One-shot `Checkpointer(directory, keep=keep, key=key).save(...)` (lock released
+  after)."""
+  with Checkpointer(directory, keep=keep, key=key) as ckpt:
     ckpt.save(step, state, recipe=recipe, model_config=model_config, seed=seed, data=data,
               extra=extra)
 
@@ -634,9 +823,11 @@ def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: 
 def restore(directory: str | os.PathLike, target: TrainState, *, step: int | None = None,
             recipe: Recipe | None = None, model_config: dict | None = None,
             optimizer_for: Callable[[Recipe], Any] | None = None,
-            mesh: jax.sharding.Mesh | None = None) -> Restored:
-  """One-shot `Checkpointer(directory).restore(...)`; see `Checkpointer.restore`. Creates
-  nothing: a missing directory raises NoCheckpointError."""
-  return Checkpointer(directory).restore(target, step=step, recipe=recipe,
+            mesh: jax.sharding.Mesh | None = None,
+            allow_unverified: bool = False, key: bytes | str | None = None) -> Restored:
+  """One-shot `Checkpointer(directory, key=key).restore(...)`; see `Checkpointer.restore`.
+  Creates nothing: a missing directory raises NoCheckpointError."""
+  return Checkpointer(directory, key=key).restore(target, step=step, recipe=recipe,
                                          model_config=model_config,
-                                         optimizer_for=optimizer_for, mesh=mesh)
+                                         optimizer_for=optimizer_for, mesh=mesh,
+                                         allow_unverified=allow_unverified)

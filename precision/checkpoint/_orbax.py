@@ -5,12 +5,24 @@ Orbax thread or event loop outlives the call, whether it returns or raises: a fa
 restore leaves nothing behind to print "Event loop is closed" at exit. Read errors come
 back as `OrbaxReadError` with the first line of Orbax's message (TensorStore's are
 hundreds of lines of JSON spec); the original exception is its `orbax_error`.
+
+Orbax reads the paths it is given as glob patterns in places (merging the per-process
+OCDBT folders after a save, listing array metadata): a ``[``, ``]``, ``*`` or ``?``
+anywhere in the path (``lr[3e-3]/ckpt``) makes a save write an item nothing can read. So
+every path reaches Orbax through `_plain`: unchanged when it holds none of these
+characters, else as ``/proc/self/fd/<fd>/...`` of the folder opened by this process (or,
+without /proc, a link of a random name in a fresh private temporary folder), a name in
+which no character is a pattern.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from typing import Any
+import re
+import tempfile
+from typing import Any, Iterator
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -37,6 +49,45 @@ def _read_error(what: str, part: str, e: BaseException) -> OrbaxReadError:
                         f"{_first_line(e)})", e)
 
 
+_PATTERN = re.compile(r"[][*?]")
+
+
+@contextlib.contextmanager
+def _plain(path: str, exists: bool) -> Iterator[str]:
+  """A path naming `path` in which no character is a glob pattern (see the docstring).
+
+  exists: `path` is an existing folder (read), else its parent is (save).
+  """
+  path = os.path.abspath(path)
+  if not _PATTERN.search(path):
+    yield path
+    return
+  anchor, name = (path, "") if exists else os.path.split(path)
+  if _PATTERN.search(name):
+    raise ValueError(f"Orbax item name {name!r} holds a glob character; accepted: names "
+                     "without [, ], *, ?")
+  if os.path.isdir("/proc/self/fd"):
+    fd = os.open(anchor, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+      base = f"/proc/self/fd/{fd}"
+      yield os.path.join(base, name) if name else base
+    finally:
+      os.close(fd)
+    return
+  alias_dir = tempfile.mkdtemp(prefix="precision-orbax-")  # mode 0700, random name
+  if _PATTERN.search(alias_dir):
+    os.rmdir(alias_dir)
+    raise CheckpointError(f"Cannot hand {path} to Orbax: the temporary folder {alias_dir} "
+                          "holds a glob character too; set TMPDIR to a plain path")
+  link = os.path.join(alias_dir, "d")
+  os.symlink(anchor, link)
+  try:
+    yield os.path.join(link, name) if name else link
+  finally:
+    os.unlink(link)
+    os.rmdir(alias_dir)
+
+
 def is_item(path: str) -> bool:
   return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, m))
                                      for m in ITEM_MARKERS)
@@ -49,12 +100,31 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
   return line if len(line) <= limit else line[:limit] + "..."
 
 
+def _errno_in(text: str) -> int | None:
+  """The errno whose system message appears in `text` (e.g. "No space left on device")."""
+  for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+               errno.EIO, errno.ENOENT):
+    if os.strerror(code) in text:
+      return code
+  return None
+
+
 def save_item(path: str, tree: Any) -> None:
   """Writes `tree` as an Orbax StandardCheckpointHandler item at `path` (must not exist)."""
   ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
   try:
-    with _compat.orbax_drained_event_loops():
-      ckptr.save(path, args=ocp.args.StandardSave(tree))
+    with _plain(path, exists=False) as plain, _compat.orbax_drained_event_loops():
+      ckptr.save(plain, args=ocp.args.StandardSave(tree))
+  except OSError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    # TensorStore reports a failed write (disk full, read-only) as a ValueError whose
+    # text holds the system's message; it comes back as the OSError it is.
+    code = _errno_in(str(e))
+    if code is None:
+      raise CheckpointError(f"Orbax cannot write {path} ({type(e).__name__}: "
+                            f"{_first_line(e)})") from None
+    raise OSError(code, os.strerror(code), path) from None
   finally:
     ckptr.close()
 
@@ -63,8 +133,8 @@ def item_tree(path: str, what: str) -> Any:
   """The saved tree of an item with ArrayMetadata leaves (shape, dtype), nothing read."""
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    with _compat.orbax_drained_event_loops():
-      meta = handler.metadata(epath.Path(path))
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+      meta = handler.metadata(epath.Path(plain))
   except Exception as e:  # pylint: disable=broad-except
     raise _read_error(what, "the item's metadata", e) from None
   finally:
@@ -76,8 +146,8 @@ def restore_item(path: str, abstract: Any, what: str) -> Any:
   """Restores an item into the structure, dtypes and shardings of `abstract`."""
   handler = ocp.StandardCheckpointHandler()
   try:
-    with _compat.orbax_drained_event_loops():
-      return handler.restore(epath.Path(path), args=ocp.args.StandardRestore(abstract))
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+      return handler.restore(epath.Path(plain), args=ocp.args.StandardRestore(abstract))
   except Exception as e:  # pylint: disable=broad-except
     raise _read_error(what, "the arrays", e) from None
   finally:
@@ -92,8 +162,8 @@ def restore_partial(path: str, item: Any, what: str) -> Any:
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    with _compat.orbax_drained_event_loops():
-      return handler.restore(epath.Path(path), args=ocp.args.PyTreeRestore(
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+      return handler.restore(epath.Path(plain), args=ocp.args.PyTreeRestore(
           item=item, restore_args=restore_args, partial_restore=True))
   except Exception as e:  # pylint: disable=broad-except
     raise _read_error(what, "the arrays", e) from None

@@ -20,11 +20,13 @@ import uuid
 from typing import Any, NamedTuple
 
 from precision._recipe import Recipe
+from precision.checkpoint import _files
 from precision.checkpoint import _integrity
 from precision.checkpoint import _tree
 from precision.checkpoint._errors import CheckpointDamagedError
 
 RECORD_FILE = "precision_run.json"
+RECORD_FORMAT = 1
 
 
 class RunRecord(NamedTuple):
@@ -58,9 +60,9 @@ def _now() -> str:
 
 
 def _body(r: RunRecord) -> dict[str, Any]:
-  return {"format": 1, "run_id": r.run_id, "recipe": r.recipe.to_dict(),
-          "model_config": r.model_config, "seed": r.seed, "created": r.created,
-          "history": list(r.history)}
+  return _files.stamp({"run_id": r.run_id, "recipe": r.recipe.to_dict(),
+                      "model_config": r.model_config, "seed": r.seed, "created": r.created,
+                      "history": list(r.history)}, RECORD_FORMAT)
 
 
 def _digest(body: dict) -> str:
@@ -71,14 +73,20 @@ def read(directory: str) -> RunRecord | None:
   """The directory's record, None when it has none.
 
   Raises:
-    CheckpointDamagedError when the file exists but cannot be read or fails its checksum.
+    CheckpointDamagedError when the file exists but cannot be read, is a symbolic link
+    (never followed) or fails its checksum; CheckpointFormatError when a newer version
+    of precision wrote it.
   """
   path = os.path.join(directory, RECORD_FILE)
-  if not os.path.isfile(path):
+  if not os.path.lexists(path):
     return None
   try:
-    with open(path) as f:
-      d = json.load(f)
+    if os.path.islink(path):
+      raise ValueError("it is a symbolic link, never followed")
+    d = _files.read_json(path)
+    if not isinstance(d, dict):
+      raise ValueError("it is not a JSON object")
+    _files.check_format(d, RECORD_FORMAT, f"The run record {path}", strict=False)
     body = {k: v for k, v in d.items() if k != "sha256"}
     if d.get("sha256") != _digest(body):
       raise ValueError("it does not match its own checksum")

@@ -13,6 +13,13 @@ scale (`precision.optim.loss_scale_of`, which `precision.value_and_grad`,
 `precision.train_step`, `scaled_value_and_grad` and `precision.parallel` call) marks the
 calling thread; the loss-scaling update takes the mark, and warns once per process
 (`UnscaledGradientsWarning`) when it is traced without one since the previous update.
+
+A non-finite LOSS with finite gradients (an f16 mean that overflowed, an inf term under
+stop_gradient) is a non-finite step too, when the guard can see it: either pass the loss
+to the update (``tx.update(grads, opt_state, params, value=loss)``, optax's keyword for
+the objective value) or compute the grads of ``nonfinite_loss_guard(loss)``, the loss
+unchanged whose gradient is NaN when the loss is not finite, so the all-finite check on
+the grads catches it. On a finite loss neither changes a bit.
 """
 
 from __future__ import annotations
@@ -109,6 +116,33 @@ class GuardState(NamedTuple):
   grad_norm: jax.Array
 
 
+@jax.custom_vjp
+def nonfinite_loss_guard(loss: jax.Array) -> jax.Array:
+  """The loss unchanged; its gradient is NaN where the loss is inf or NaN.
+
+  The guard checks gradients only; a loss that is not finite while its gradients are
+  (an f16 mean that overflowed, a stop_gradient term) would be applied as a normal step.
+  Differentiating ``nonfinite_loss_guard(loss)`` instead of ``loss`` makes every
+  gradient NaN on such a step, so the guard skips it and counts it non-finite. On a
+  finite loss the cotangent passes through by a select, bit for bit.
+
+  Examples:
+    >>> grads = jax.grad(lambda p: nonfinite_loss_guard(loss_fn(p, batch)))(params)
+  """
+  return loss
+
+
+def _loss_guard_fwd(loss):
+  return loss, jnp.all(jnp.isfinite(loss))
+
+
+def _loss_guard_bwd(finite, ct):
+  return (jnp.where(finite, ct, jnp.full_like(ct, jnp.nan)),)
+
+
+nonfinite_loss_guard.defvjp(_loss_guard_fwd, _loss_guard_bwd)
+
+
 def _neg_zero_like(u):
   return jnp.full(u.shape, -0.0, u.dtype) if _tree.is_float(u) else u
 
@@ -120,10 +154,14 @@ def _guard(inner, loss_scale, axis_name, skip):
     z = jnp.zeros((), jnp.int32)
     return GuardState(inner.init(params), loss_scale, z, z, z, z, jnp.zeros((), jnp.float32))
 
-  def update_fn(grads, state, params=None):
+  def update_fn(grads, state, params=None, *, value=None):
+    # value: the step's loss (scaled or not), when the caller passes it: a non-finite
+    # loss is a non-finite step even when every gradient is finite.
     _take_scale_read(state.loss_scale)
     grads = state.loss_scale.unscale(grads)
     finite = _tree.all_finite(grads)
+    if value is not None:
+      finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(value))))
     if axis_name is not None:
       # Shards of the grads live on different ranks: every rank must skip alike.
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
@@ -161,7 +199,9 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any,
       all-finite check and grad norm are reduced (pmin / psum) over this axis.
 
   Multiply the loss by `precision.optim.loss_scale_of(opt_state)` before differentiating
-  (`precision.value_and_grad` and `precision.train_step` do). An update traced without the
+  (`precision.value_and_grad` and `precision.train_step` do). ``update(grads, state,
+  params, value=loss)`` also treats a non-finite loss as a non-finite step (see
+  `nonfinite_loss_guard` for a caller that cannot pass it). An update traced without the
   scale read since the previous update warns once per process (`UnscaledGradientsWarning`):
   its grads would be divided by a scale they were never multiplied by.
 
