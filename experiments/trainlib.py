@@ -39,7 +39,6 @@ from experiments import data as data_lib
 from models import gpt as gpt_lib
 from precision import checkpoint as ckpt_lib
 # Not yet re-exported by precision.optim (its __init__ is outside this change).
-from precision.optim._guard import nonfinite_loss_guard
 
 
 # The fields of a TrainConfig that change what a resumed run computes: a resume compares
@@ -279,7 +278,7 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
     # update applied with exact rounding, and the fp8 scaling state rolled back with a
     # step the guard skips (params and optimizer state stay as they were).
     model = nnx.merge(graphdef, params, model_state)
-    loss, opt_state = mp.train_step(model, tx, opt_state, _guarded_loss, tokens)
+    loss, opt_state = mp.train_step(model, tx, opt_state, gpt_lib.loss_fn, tokens)
     _, params, model_state = nnx.split(model, nnx.Param, ...)
     metrics = dict(mp.optim.optimizer_metrics(opt_state))
     metrics["loss"] = loss
@@ -291,13 +290,6 @@ def init_state(cfg: TrainConfig) -> tuple[Run, ckpt_lib.TrainState]:
             inner_schedule(cfg))
   rng = jax.random.key_data(jax.random.key(cfg.seed))
   return run, ckpt_lib.TrainState(params, opt_state, model_state, rng)
-
-
-def _guarded_loss(model, tokens):
-  """The GPT's loss, its gradient made NaN when the loss is not finite: a step whose loss
-  is inf/NaN while its gradients are finite (an overflowed mean) is skipped and counted
-  by the optimizer's guard like one with non-finite gradients. Bit-identical otherwise."""
-  return nonfinite_loss_guard(gpt_lib.loss_fn(model, tokens))
 
 
 def inner_schedule(cfg: TrainConfig):

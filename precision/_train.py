@@ -53,7 +53,10 @@ def _scaled_loss(fn: Callable[..., Any], scale: jax.Array, has_aux: bool):
     # dtype, and f32 holds every f16/bf16 value exactly, so the unscaled loss returned is
     # fn's own value, widened.
     loss = loss.astype(jnp.float32)
-    return loss * scale, (loss, aux)
+    # A non-finite loss with finite gradients (an overflowed f16 mean, a stop_gradient
+    # term) makes every gradient NaN here, so the optimizer's guard skips and counts the
+    # step; a finite loss passes its cotangent through by a select, bit for bit.
+    return optim.nonfinite_loss_guard(loss) * scale, (loss, aux)
 
   return f
 

@@ -31,6 +31,7 @@ from precision.optim._guard import NonFiniteStreakError
 from precision.optim._guard import UnscaledGradientsWarning
 from precision.optim._guard import check_nonfinite_streak
 from precision.optim._guard import loss_scaling
+from precision.optim._guard import nonfinite_loss_guard
 from precision.optim._guard import skip_nonfinite
 from precision.optim._kahan import KahanState
 from precision.optim._kahan import kahan_updates
@@ -77,6 +78,7 @@ __all__ = [
     "kahan_updates",
     "loss_scale_of",
     "loss_scaling",
+    "nonfinite_loss_guard",
     "master_params",
     "master_weights",
     "memory_ledger",

@@ -282,7 +282,8 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
       loss = task.loss(m, batch)
       new = m.state
     loss = jnp.asarray(loss).astype(_F32)
-    return loss * scale, (loss, new)
+    # A non-finite loss makes the gradients NaN: the guard skips the step (as train_step).
+    return optim.nonfinite_loss_guard(loss) * scale, (loss, new)
 
   def eval_loss(params, collections, batch):
     if module is None:
