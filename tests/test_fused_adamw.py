@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import precision as mp
 from precision.rounding import FusedAdamW
@@ -179,3 +180,175 @@ def test_bad_arguments(params):
     opt.update(params, bf16_moments, params)
   with pytest.raises(ValueError, match="mask"):
     FusedAdamW(1e-3, mask=jax.tree.map(lambda _: 1, params)).update(params, state, params)
+
+
+# ---------------------------------------------------------------------------------------
+# Through a recipe: `fused_adamw` selected by ``Recipe.fused``, inside the recipe's guard.
+#
+# The fused path and the unfused ``bf16_sr`` path draw the same random bits (leaf i at step
+# t: leaf_seed(seed, i), counter t, flat index), so without a master they are bit-identical
+# by construction, and the updates of both are the f32 deltas that apply_updates turns into
+# exactly the rounded params.
+
+FUSED_SR = mp.get_recipe("bf16_sr").replace(name="bf16_sr_fused", fused=True)
+LR = 3e-3
+
+
+class _MLP(nnx.Module):
+  """8 -> 32 -> 4 with biases: matrices decay, biases do not (llm.c's rule)."""
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(8, 32, rngs=rngs)
+    self.out = nnx.Linear(32, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.gelu(self.hidden(x)))
+
+
+def _mlp_loss(model, x, y):
+  return jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
+
+
+def _fused_kwargs(impl):
+  return dict(impl=impl, block_size=BLOCK) if impl == "pallas" else dict(impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_fused_recipe_train_step_bit_identical_to_bf16_sr(impl):
+  """Five `precision.train_step`s of an NNX model: the fused recipe (Pallas kernel in
+  interpret mode, or its XLA reference) and bf16_sr around optax.adamw end with the same
+  params, moments and losses, bit for bit."""
+  r = np.random.default_rng(0)
+  x = jnp.asarray(r.normal(size=(64, 8)), jnp.float32)
+  y = jnp.asarray(np.tanh(r.normal(size=(64, 4))), jnp.float32)
+  step = nnx.jit(mp.train_step, static_argnums=(1, 3))
+
+  def train(recipe, inner):
+    model = mp.flax.apply_recipe(_MLP(nnx.Rngs(0)), recipe)
+    tx = mp.optim.build_optimizer(recipe, inner, seed=SEED)
+    opt_state = tx.init(nnx.state(model, nnx.Param))
+    losses = []
+    for _ in range(5):
+      loss, opt_state = step(model, tx, opt_state, _mlp_loss, x, y)
+      losses.append(loss)
+    return nnx.state(model, nnx.Param), opt_state, losses
+
+  params0 = nnx.state(mp.flax.apply_recipe(_MLP(nnx.Rngs(0)), "bf16_sr"), nnx.Param)
+  p_f, s_f, l_f = train(FUSED_SR, mp.optim.fused_adamw(LR, weight_decay=WD,
+                                                       **_fused_kwargs(impl)))
+  p_u, s_u, l_u = train("bf16_sr", optax.adamw(LR, weight_decay=WD,
+                                               mask=llmc_decay_mask(params0)))
+  assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(p_f))
+  _assert_tree_bits_equal(p_f, p_u)
+  _assert_tree_bits_equal(l_f, l_u)
+  fused = mp.optim._query.find_state(s_f, FusedAdamWState)
+  adam = _adam_state(s_u)
+  _assert_tree_bits_equal((fused.mu, fused.nu), (adam.mu, adam.nu))
+  assert int(fused.count) == 5
+  assert not all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(
+      jax.tree.leaves(p_f), jax.tree.leaves(params0)))
+
+
+def test_fused_recipe_updates_apply_to_the_kernels_params(params, grads):
+  """tx.update + apply_updates of the fused recipe gives, each step, exactly the params
+  (and state) of FusedAdamW.update itself: the f32 deltas lose nothing."""
+  tx = mp.optim.build_optimizer(FUSED_SR, mp.optim.fused_adamw(LR, weight_decay=WD),
+                                seed=SEED)
+  ref = FusedAdamW(LR, weight_decay=WD, seed=SEED, impl="xla")
+  update, ref_update = jax.jit(tx.update), jax.jit(lambda g, s, p: ref.update(g, s, p))
+  p, s = params, tx.init(params)
+  p_ref, s_ref = params, ref.init(params)
+  for g in grads[:6]:
+    u, s = update(g, s, p)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(u))
+    p = mp.optim.apply_updates(p, u)
+    p_ref, s_ref = ref_update(g, s_ref, p_ref)
+    _assert_tree_bits_equal(p, p_ref)
+    _assert_tree_bits_equal(s.inner_state, s_ref)
+
+
+def test_fused_recipe_under_loss_scaling_bit_identical_to_unfused(params, grads):
+  """f16 params with dynamic loss scaling and a non-finite step: the fused recipe and the
+  same recipe unfused (optax.adamw) give the same params and moments, bit for bit, and
+  the guard skips the non-finite step alike (params and fused state unchanged).
+
+  The comparison is with the unfused recipe, not the bare FusedAdamW on unscaled grads:
+  XLA CPU contracts AdamW's multiply-adds into FMAs depending on the program around
+  them, and the guard's unscale changes that program (moments then differ by f32 ulps)."""
+  recipe = mp.Recipe("f16_sr_fused", "p=f16,c=f16,o=f32", rounding="stochastic",
+                     loss_scale=mp.LossScaleConfig(kind="dynamic", initial_scale=2.0 ** 4),
+                     fused=True)
+  fused = mp.optim.build_optimizer(recipe, mp.optim.fused_adamw(LR, weight_decay=WD),
+                                   seed=SEED)
+  unfused = mp.optim.build_optimizer(recipe.replace(fused=False), optax.adamw(
+      LR, weight_decay=WD, mask=llmc_decay_mask(params)), seed=SEED)
+
+  def run(tx):
+    update = jax.jit(tx.update)
+    p, s = params, tx.init(params)
+    for t, g in enumerate(grads[:6]):
+      scale = mp.optim.loss_scale_of(s)  # the grads of a loss multiplied by the scale
+      g32 = jax.tree.map(lambda a: a.astype(jnp.float32) * scale, g)
+      if t == 2:
+        g32 = dict(g32, b=g32["b"].at[0].set(jnp.nan))
+      old_p, old_s = p, s
+      u, s = update(g32, s, p)
+      p = mp.optim.apply_updates(p, u)
+      assert bool(mp.optim.step_skipped(old_s, s)) == (t == 2)
+      if t == 2:
+        _assert_tree_bits_equal(p, old_p)
+        _assert_tree_bits_equal(s.inner_state, old_s.inner_state)
+    assert int(mp.optim.optimizer_metrics(s)["skipped_steps"]) == 1
+    return p, s
+
+  p_f, s_f = run(fused)
+  p_u, s_u = run(unfused)
+  _assert_tree_bits_equal(p_f, p_u)
+  state = mp.optim._query.find_state(s_f, FusedAdamWState)
+  adam = _adam_state(s_u)
+  _assert_tree_bits_equal((state.mu, state.nu), (adam.mu, adam.nu))
+  assert int(state.count) == int(adam.count) == 5
+
+
+def test_fused_recipe_with_master_bit_identical_to_master_weights(params, grads):
+  """A stochastic-rounding recipe with an f32 master, fused (XLA reference) and not:
+  bit-identical params and masters; `master_params` reads the fused state's master."""
+  base = mp.Recipe("bf16_sr_master", "p=bf16,c=bf16,o=f32", master_dtype="f32",
+                   rounding="stochastic")
+  fused = mp.optim.build_optimizer(base.replace(fused=True),
+                                   mp.optim.fused_adamw(LR, weight_decay=WD, impl="xla"),
+                                   seed=SEED)
+  unfused = mp.optim.build_optimizer(
+      base, optax.adamw(LR, weight_decay=WD, mask=llmc_decay_mask(params)), seed=SEED)
+
+  def run(tx):
+    p, s = params, tx.init(params)
+    update = jax.jit(tx.update)
+    for g in grads[:5]:
+      u, s = update(g, s, p)
+      p = mp.optim.apply_updates(p, u)
+    return p, s
+
+  p_f, s_f = run(fused)
+  p_u, s_u = run(unfused)
+  _assert_tree_bits_equal(p_f, p_u)
+  _assert_tree_bits_equal(mp.optim.master_params(s_f, p_f), mp.optim.master_params(s_u, p_u))
+  assert mp.optim._query.find_state(s_f, FusedAdamWState).master is not None
+
+
+def test_fused_recipe_refuses_mismatched_optimizers(params):
+  with pytest.raises(ValueError, match=r"fused=True.*inner=precision\.optim\.fused_adamw"):
+    mp.optim.build_optimizer(FUSED_SR, optax.adamw(LR))
+  with pytest.raises(ValueError, match=r"'bf16_sr' \(fused=False\)"):
+    mp.optim.build_optimizer("bf16_sr", mp.optim.fused_adamw(LR))
+  with pytest.raises(ValueError, match=r"fused_adamw\(seed=4\) but build_optimizer\(seed=3\)"):
+    mp.optim.build_optimizer(FUSED_SR, mp.optim.fused_adamw(LR, seed=4), seed=3)
+  with pytest.raises(ValueError, match=r"keep_master=True.*keeps no f32 master"):
+    mp.optim.build_optimizer(FUSED_SR, mp.optim.fused_adamw(LR, keep_master=True))
+  with pytest.raises(ValueError, match=r"axis_name='data'.*mask=None"):
+    mp.optim.build_optimizer(FUSED_SR, mp.optim.fused_adamw(LR), axis_name="data")
+  # Equal explicit values are accepted.
+  tx = mp.optim.build_optimizer(FUSED_SR, mp.optim.fused_adamw(LR, seed=3), seed=3)
+  assert isinstance(tx.init(params).inner_state, FusedAdamWState)
+  with pytest.raises(ValueError, match="16-bit params"):
+    tx.init({"w": jnp.zeros((2, 2), jnp.float32)})

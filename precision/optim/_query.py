@@ -11,6 +11,7 @@ from precision.optim import _guard
 from precision.optim import _master
 from precision.optim import _remainder
 from precision.optim import _tree
+from precision.rounding import FusedAdamWState
 
 
 def find_state(opt_state: Any, kind: type) -> Any:
@@ -85,6 +86,9 @@ def master_params(opt_state: Any, params: Any) -> Any:
   master = find_state(opt_state, _master.MasterState)
   if master is not None:
     return master.master
+  fused = find_state(opt_state, FusedAdamWState)
+  if fused is not None and fused.master is not None:
+    return fused.master
   rem = find_state(opt_state, _remainder.RemainderState)
   if rem is not None:
     return jax.tree.map(_remainder.merge_master, params, rem.remainder)
