@@ -10,6 +10,10 @@ import pytest
 from flax import nnx
 
 import precision as mp
+from _asserts import assert_allclose
+from _asserts import assert_bit_identical
+from _asserts import bit_identical
+from _asserts import bits
 from precision.rounding import FusedAdamW
 from precision.rounding import FusedAdamWState
 from precision.rounding import llmc_decay_mask
@@ -18,9 +22,6 @@ STEPS = 20
 SEED = 3
 WD = 0.1
 BLOCK = 256
-def _bits(a):
-  a = np.asarray(a)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def _params():
@@ -46,12 +47,6 @@ def _adam_state(opt_state):
       s, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
   assert len(found) == 1
   return found[0]
-
-
-def _assert_tree_bits_equal(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
 @pytest.fixture(scope="module")
@@ -110,29 +105,27 @@ def test_fused_matches_unfused_over_20_steps(case, params, grads):
     p_u, s_u = unfused_step(p_u, s_u, g)
     p_x, s_x = xla_step(p_x, s_x, g)
     p_p, s_p = pallas_step(p_p, s_p, g)
-    _assert_tree_bits_equal(p_x, p_u)
+    assert_bit_identical(p_x, p_u)
     if case == "no_master":
-      _assert_tree_bits_equal(p_p, p_x)
+      assert_bit_identical(p_p, p_x)
   if case == "no_master":
-    _assert_tree_bits_equal(s_p, s_x)
+    assert_bit_identical(s_p, s_x)
   else:
     # Known limitation: XLA CPU contracts a*b + c into FMAs depending on how it fuses a
     # program, and the interpret-mode kernel (a while loop over blocks) fuses differently
     # from the reference: with an f32 master a few masters differ by f32 ulps, flipping a
     # few stochastic roundings. Bounded here; bit-identity holds without a master.
-    for a, b in zip(jax.tree.leaves(s_p.master), jax.tree.leaves(s_x.master)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
-    flipped = [np.mean(_bits(a) != _bits(b)) for a, b in zip(jax.tree.leaves(p_p),
+    assert_allclose(s_p.master, s_x.master, rtol=1e-4, atol=1e-7)
+    flipped = [np.mean(bits(a) != bits(b)) for a, b in zip(jax.tree.leaves(p_p),
                                                               jax.tree.leaves(p_x))]
     assert max(flipped) < 0.05, flipped
   adam = _adam_state(s_u)
-  _assert_tree_bits_equal((s_x.mu, s_x.nu), (adam.mu, adam.nu))
+  assert_bit_identical((s_x.mu, s_x.nu), (adam.mu, adam.nu))
   assert int(s_x.count) == int(adam.count) == STEPS
   if s_x.master is not None:
-    _assert_tree_bits_equal(s_x.master, s_u.master)
+    assert_bit_identical(s_x.master, s_u.master)
   # The params moved, and stochastically: not what nearest rounding of the master gives.
-  assert not all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(
-      jax.tree.leaves(p_x), jax.tree.leaves(params)))
+  assert not bit_identical(p_x, params)
 
 
 def test_pallas_in_place_outputs_keep_dtypes(params, grads):
@@ -150,7 +143,7 @@ def test_weight_decay_mask_llmc_default_and_custom(params):
   default = FusedAdamW(0.1, weight_decay=0.5, impl="xla")
   p1, _ = jax.jit(default.update)(zero, default.init(params), params)
   for name in ("b", "gain"):  # vectors and scalars: no decay, bit-identical
-    np.testing.assert_array_equal(_bits(p1[name]), _bits(params[name]))
+    assert_bit_identical(p1[name], params[name])
   for name in ("emb", "w", "h"):  # matrices / embeddings shrink by 5% in expectation
     ratio = float(jnp.sum(jnp.abs(p1[name].astype(jnp.float32))) /
                   jnp.sum(jnp.abs(params[name].astype(jnp.float32))))
@@ -158,7 +151,7 @@ def test_weight_decay_mask_llmc_default_and_custom(params):
   everything = FusedAdamW(0.1, weight_decay=0.5, impl="xla",
                           mask=lambda p: jax.tree.map(lambda _: True, p))
   p2, _ = jax.jit(everything.update)(zero, everything.init(params), params)
-  assert not np.array_equal(_bits(p2["b"]), _bits(params["b"]))
+  assert not bit_identical(p2["b"], params["b"])
 
 
 def test_bad_arguments(params):
@@ -239,14 +232,13 @@ def test_fused_recipe_train_step_bit_identical_to_bf16_sr(impl):
   p_u, s_u, l_u = train("bf16_sr", optax.adamw(LR, weight_decay=WD,
                                                mask=llmc_decay_mask(params0)))
   assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(p_f))
-  _assert_tree_bits_equal(p_f, p_u)
-  _assert_tree_bits_equal(l_f, l_u)
+  assert_bit_identical(p_f, p_u)
+  assert_bit_identical(l_f, l_u)
   fused = mp.optim._query.find_state(s_f, FusedAdamWState)
   adam = _adam_state(s_u)
-  _assert_tree_bits_equal((fused.mu, fused.nu), (adam.mu, adam.nu))
+  assert_bit_identical((fused.mu, fused.nu), (adam.mu, adam.nu))
   assert int(fused.count) == 5
-  assert not all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(
-      jax.tree.leaves(p_f), jax.tree.leaves(params0)))
+  assert not bit_identical(p_f, params0)
 
 
 def test_fused_recipe_updates_apply_to_the_kernels_params(params, grads):
@@ -263,8 +255,8 @@ def test_fused_recipe_updates_apply_to_the_kernels_params(params, grads):
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(u))
     p = mp.optim.apply_updates(p, u)
     p_ref, s_ref = ref_update(g, s_ref, p_ref)
-    _assert_tree_bits_equal(p, p_ref)
-    _assert_tree_bits_equal(s.inner_state, s_ref)
+    assert_bit_identical(p, p_ref)
+    assert_bit_identical(s.inner_state, s_ref)
 
 
 def test_fused_recipe_under_loss_scaling_bit_identical_to_unfused(params, grads):
@@ -296,17 +288,17 @@ def test_fused_recipe_under_loss_scaling_bit_identical_to_unfused(params, grads)
       p = mp.optim.apply_updates(p, u)
       assert bool(mp.optim.step_skipped(old_s, s)) == (t == 2)
       if t == 2:
-        _assert_tree_bits_equal(p, old_p)
-        _assert_tree_bits_equal(s.inner_state, old_s.inner_state)
+        assert_bit_identical(p, old_p)
+        assert_bit_identical(s.inner_state, old_s.inner_state)
     assert int(mp.optim.optimizer_metrics(s)["skipped_steps"]) == 1
     return p, s
 
   p_f, s_f = run(fused)
   p_u, s_u = run(unfused)
-  _assert_tree_bits_equal(p_f, p_u)
+  assert_bit_identical(p_f, p_u)
   state = mp.optim._query.find_state(s_f, FusedAdamWState)
   adam = _adam_state(s_u)
-  _assert_tree_bits_equal((state.mu, state.nu), (adam.mu, adam.nu))
+  assert_bit_identical((state.mu, state.nu), (adam.mu, adam.nu))
   assert int(state.count) == int(adam.count) == 5
 
 
@@ -331,8 +323,8 @@ def test_fused_recipe_with_master_bit_identical_to_master_weights(params, grads)
 
   p_f, s_f = run(fused)
   p_u, s_u = run(unfused)
-  _assert_tree_bits_equal(p_f, p_u)
-  _assert_tree_bits_equal(mp.optim.master_params(s_f, p_f), mp.optim.master_params(s_u, p_u))
+  assert_bit_identical(p_f, p_u)
+  assert_bit_identical(mp.optim.master_params(s_f, p_f), mp.optim.master_params(s_u, p_u))
   assert mp.optim._query.find_state(s_f, FusedAdamWState).master is not None
 
 

@@ -19,6 +19,8 @@ from precision.parallel._layout import LeafLayout, flatten_pad, own_shard, unfla
 from precision.rounding import FusedAdamW
 from precision.rounding import leaf_seed
 from precision.rounding import stochastic_round
+from _asserts import assert_bit_identical
+from _asserts import bits
 from _parallel_worker import LR, loss_fn, make_batches, make_params
 
 N = 8
@@ -31,17 +33,6 @@ SR_RECIPES = {
                                 rounding="stochastic"),
 }
 SHAPES = {"a": (5, 7), "b": (13,)}  # 35 and 13 elements: neither divides 8
-
-
-def bits(a) -> np.ndarray:
-  """The raw bit patterns (-0.0 != +0.0, NaN payloads compared)."""
-  a = np.asarray(a)
-  return a.view(f"u{a.dtype.itemsize}")
-
-
-def assert_bits_equal(got, want, what=""):
-  assert np.asarray(got).dtype == np.asarray(want).dtype, what
-  np.testing.assert_array_equal(bits(got), bits(want), err_msg=what)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +54,7 @@ def test_slice_with_offset_matches_whole(x_full, impl, dtype):
   full = stochastic_round(x_full, dtype, key=11, step=4, impl="xla")
   for a, b in ((0, 1000), (1000, 2500), (2500, 3000), (7, 1031)):
     part = stochastic_round(x_full[a:b], dtype, key=11, step=4, impl=impl, index_offset=a)
-    assert_bits_equal(part, full[a:b], f"{impl} {dtype} [{a}:{b})")
+    assert_bit_identical(part, full[a:b], f"{impl} {dtype} [{a}:{b})")
   # Without the offset a slice gets other bits (else the test above could not fail).
   part0 = stochastic_round(x_full[1000:2500], dtype, key=11, step=4, impl=impl)
   assert (bits(part0) != bits(full[1000:2500])).any()
@@ -77,7 +68,7 @@ def test_traced_offset_one_compile(x_full, impl):
   full = stochastic_round(x_full, jnp.bfloat16, key=11, step=4, impl="xla")
   for r in range(N):
     got = f(x_full[r * k:(r + 1) * k], jnp.uint32(r * k))
-    assert_bits_equal(got, full[r * k:(r + 1) * k], f"{impl} shard {r}")
+    assert_bit_identical(got, full[r * k:(r + 1) * k], f"{impl} shard {r}")
   f(x_full[:k], jnp.int32(5))  # an int32 offset (axis_index's dtype) is accepted too
   assert f._cache_size() == 2  # one trace per offset dtype, not one per offset value
 
@@ -86,13 +77,13 @@ def test_row_slice_of_2d_and_uint32_wrap(x_full):
   x2 = x_full.reshape(60, 50)
   full = stochastic_round(x2, jnp.bfloat16, key=2, step=9)
   got = stochastic_round(x2[12:31], jnp.bfloat16, key=2, step=9, index_offset=12 * 50)
-  assert_bits_equal(got, full[12:31])
+  assert_bit_identical(got, full[12:31])
   # Counters are uint32: offset 2**32 - 5 makes element 5 use index 0.
   for impl in ("xla", "pallas"):
     wrapped = stochastic_round(x_full[:20], jnp.bfloat16, key=2, step=9, impl=impl,
                                index_offset=2 ** 32 - 5)
     plain = stochastic_round(x_full[5:20], jnp.bfloat16, key=2, step=9, impl=impl)
-    assert_bits_equal(wrapped[5:], plain, impl)
+    assert_bit_identical(wrapped[5:], plain, impl)
 
 
 @pytest.mark.parametrize("bad", (-1, 2 ** 32, 1.5, np.zeros((2,), np.uint32),
@@ -169,7 +160,7 @@ def _assert_same(full, gathered):
       assert g.shape == (lay.padded_size,), name
       g = np.asarray(unflatten(jnp.asarray(g), lay))
       compared += 1
-    assert_bits_equal(g, f, name)
+    assert_bit_identical(g, f, name)
   assert compared >= 4  # at least the params and one per-element state leaf per param
 
 
@@ -209,7 +200,7 @@ def test_sharded_fused_adamw_rounds_with_global_index(mesh, impl):
     want = stochastic_round(master, jnp.bfloat16, key=leaf_seed(SEED, i), step=STEPS - 1,
                             impl="xla")
     got = unflatten(new_params[k], layouts[k])
-    assert_bits_equal(got, want, k)
+    assert_bit_identical(got, want, k)
     assert (bits(got) != bits(params[k])).any(), k
 
 
@@ -239,4 +230,4 @@ def test_data_parallel_sr_same_bits_in_every_stage(mesh):
     assert out[0][k].dtype == jnp.bfloat16
     assert (bits(out[0][k]) != bits(start[k])).any(), k
     for stage in (1, 3):
-      assert_bits_equal(out[stage][k], out[0][k], f"stage {stage} {k}")
+      assert_bit_identical(out[stage][k], out[0][k], f"stage {stage} {k}")
