@@ -38,7 +38,6 @@ STORAGE_DTYPES = ("f32", "bf16", "f16")
 MASTER_DTYPES = ("f32",)
 
 _F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 _INT32_MAX = 2 ** 31 - 1
 # Version of the dict layout `Recipe.to_dict` writes (its "schema" key). Dicts written
 # before the key existed carry exactly the fields of version 1 and read as version 1.

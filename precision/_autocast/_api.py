@@ -27,7 +27,7 @@ import numpy as np
 
 from precision import _fp32_ops
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
-from precision._recipe import DEFAULT_FP32_OPS, Recipe, get_recipe
+from precision._recipe import DEFAULT_FP32_OPS, PRESETS, Recipe, get_recipe
 from precision._autocast import _overrides
 from precision._autocast import _interpret
 
@@ -98,7 +98,7 @@ class AutocastSpec:
       return plan.autocast_spec
     recipe = None
     if isinstance(policy, Recipe) or (isinstance(policy, str) and "=" not in policy
-                                      and policy in _recipe_names()):
+                                      and policy in PRESETS):
       recipe = get_recipe(policy)
       _refuse_fp8(recipe)
       policy = recipe.policy
@@ -110,7 +110,7 @@ class AutocastSpec:
         raise ValueError(
             f"{policy!r} is neither a dtype nor a preset recipe; accepted: a policy string "
             f"such as 'p=f32,c=bf16,o=f32', a dtype ({e}), or a preset: "
-            f"{', '.join(_recipe_names())}") from e
+            f"{', '.join(PRESETS)}") from e
     return cls.build(policy, overrides, fp32_ops, module_base=module_base,
                      recompute_f32=recompute_f32, recipe=recipe)
 
@@ -142,11 +142,6 @@ def _refuse_fp8(recipe: Recipe) -> None:
         "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
         "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
         "recipe's policy), or autocast(fn, recipe.policy) for the policy alone")
-
-
-def _recipe_names():
-  from precision._recipe import PRESETS  # pylint: disable=g-import-not-at-top
-  return PRESETS
 
 
 # ----------------------------------------------------------------------------- tracing
