@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from precision._fp32_ops import check_names
 from precision._policy import Policy, dtype_name, get_policy, parse_dtype
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -396,7 +397,6 @@ class Recipe:
       raise _bad("fp8", self.fp8, "None, an Fp8Config or its dict")
     # The list's shape here (a list of distinct non-empty strings, never a bare string);
     # which names exist, in precision._fp32_ops (each name maps to JAX primitives).
-    from precision._fp32_ops import check_names  # pylint: disable=g-import-not-at-top
     _set(self, "fp32_ops", check_names(_check_names("fp32_ops", self.fp32_ops, "op names"),
                                        "fp32_ops"))
     _set(self, "allow_f16_without_loss_scale", _check_bool(

@@ -91,7 +91,8 @@ class AutocastSpec:
         scaling: an fp8 recipe); a recipe with fp8 GEMMs passed to plain autocast (their
         scaling state lives in layers: precision.flax.apply_recipe).
     """
-    from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
+    # In the function: _plan imports this module (a Plan holds an AutocastSpec).
+    from precision import _plan  # pylint: disable=g-import-not-at-top
     if isinstance(policy, _plan.Plan):
       plan = _plan.as_plan(policy, overrides, fp32_ops)
       _refuse_fp8(plan.recipe)

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from precision import _plan
 from precision._policy import Policy
 from precision.audit import _format
 from precision.audit._format import short_dtype as _short
@@ -93,7 +94,6 @@ class PrecisionReport:
   def violations(self, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None) -> list[str]:
     """The list `check` raises with (empty when the function follows the policy)."""
-    from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
     spec = _plan.spec_for(policy, overrides)
     policy, rules = spec.policy, [(r.key, r.policy) for r in spec.rules]
     allowed_anywhere = {np.dtype(p.compute_dtype).name for k, p in rules if not isinstance(k, str)}
