@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import precision as mp
+from precision import checkpoint
 from _asserts import assert_allclose
 from _asserts import assert_bit_identical
 from _asserts import bit_identical
@@ -342,5 +343,49 @@ def test_fused_recipe_refuses_mismatched_optimizers(params):
   # Equal explicit values are accepted.
   tx = mp.optim.build_optimizer(FUSED_SR, mp.optim.fused_adamw(LR, seed=3), seed=3)
   assert isinstance(tx.init(params).inner_state, FusedAdamWState)
-  with pytest.raises(ValueError, match="16-bit params"):
-    tx.init({"w": jnp.zeros((2, 2), jnp.float32)})
+  f32 = {"w": jnp.zeros((2, 2), jnp.float32)}
+  state = tx.init(f32)  # a state on f32 master values (checkpoint conversion) ...
+  with pytest.raises(ValueError, match="16-bit params"):  # ... but no f32 params to update
+    tx.update(f32, state, f32)
+  with pytest.raises(ValueError, match=r"fused_adamw: a int32 leaf"):
+    tx.init({"n": jnp.zeros((2,), jnp.int32)})
+
+
+def test_checkpoint_of_another_recipe_restores_into_the_fused_recipe(tmp_path):
+  """A bf16_master run's checkpoint restored into the fused recipe with an f32 master:
+  params the master rounded to nearest, the fused state's master the saved master bit for
+  bit (its moments start fresh: not an optax state), and training goes on."""
+  saved_r = mp.get_recipe("bf16_master")
+  fused_r = mp.Recipe("bf16_sr_master_fused", "p=bf16,c=bf16,o=f32", master_dtype="f32",
+                      rounding="stochastic", fused=True)
+  optimizer_for = {
+      saved_r: lambda: mp.optim.build_optimizer(saved_r, optax.adamw(LR, weight_decay=WD)),
+      fused_r: lambda: mp.optim.build_optimizer(
+          fused_r, mp.optim.fused_adamw(LR, weight_decay=WD, impl="xla"), seed=SEED)}
+  r = np.random.default_rng(4)
+  p32 = {"w": jnp.asarray(r.normal(size=(8, 4)), jnp.float32),
+         "b": jnp.asarray(r.normal(size=(4,)), jnp.float32)}
+  params = saved_r.policy.cast_to_param(p32)
+  tx = optimizer_for[saved_r]()
+  opt = tx.init(params)
+  for _ in range(3):
+    u, opt = tx.update(jax.tree.map(lambda p: jnp.full_like(p, 0.1), params), opt, params)
+    params = mp.optim.apply_updates(params, u)
+  rng = jax.random.key_data(jax.random.key(0))
+  checkpoint.save(tmp_path, 3, checkpoint.TrainState(params, opt, {}, rng), recipe=saved_r)
+  master = mp.optim.master_params(opt, params)
+
+  target_params = fused_r.policy.cast_to_param(p32)
+  target = checkpoint.TrainState(target_params, optimizer_for[fused_r]().init(target_params),
+                                 {}, rng)
+  restored = checkpoint.restore(tmp_path, target, recipe=fused_r,
+                                optimizer_for=lambda recipe: optimizer_for[recipe]())
+  assert any("bf16_master -> bf16_sr_master_fused" in n for n in restored.converted)
+  assert_bit_identical(restored.state.params, fused_r.policy.cast_to_param(master))
+  assert_bit_identical(mp.optim.master_params(restored.state.opt_state,
+                                              restored.state.params), master)
+  tx = optimizer_for[fused_r]()
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.1), restored.state.params)
+  u, _ = tx.update(grads, restored.state.opt_state, restored.state.params)
+  assert not bit_identical(mp.optim.apply_updates(restored.state.params, u),
+                           restored.state.params)

@@ -18,11 +18,13 @@ import weakref
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from precision.optim import _apply
 from precision.optim import _compat
 from precision.rounding import FusedAdamW
+from precision.rounding import FusedAdamWState
 
 # update_fn of each `fused_adamw` transformation -> its FusedAdamW (and whether seed and
 # keep_master were left to `build_optimizer`), so that build_optimizer recognises it.
@@ -68,9 +70,10 @@ def fused_adamw(learning_rate: float | Callable[[jax.Array], jax.Array],
       `mask`). build_optimizer passes its own.
 
   Returns:
-    An optax.GradientTransformation on bf16/f16 params (f32 params are refused). Its
-    updates are f32 deltas: apply them with `precision.optim.apply_updates`. Its state
-    is a `precision.rounding.FusedAdamWState`.
+    An optax.GradientTransformation on bf16/f16 params (`update` refuses f32 params;
+    `init` also takes their f32 master values). Its updates are f32 deltas: apply them
+    with `precision.optim.apply_updates`. Its state is a
+    `precision.rounding.FusedAdamWState`.
 
   Examples:
     >>> recipe = precision.get_recipe("bf16_sr").replace(name="bf16_sr_fused", fused=True)
@@ -95,7 +98,16 @@ def _register(spec: _Spec) -> optax.GradientTransformation:
 
 def _transform(opt: FusedAdamW) -> optax.GradientTransformation:
   def init_fn(params):
-    return opt.init(params)
+    # Float leaves of any dtype: f32 moments shaped like them, and the master their f32
+    # values. So a state can be built on an f32 master (precision.checkpoint converts a
+    # run into a fused recipe that way); `update` takes bf16/f16 params only.
+    bad = [p.dtype for p in jax.tree.leaves(params) if not jnp.issubdtype(p.dtype, jnp.floating)]
+    if bad:
+      raise ValueError(f"fused_adamw: a {bad[0]} leaf among the params; accepted: float "
+                       "leaves (bf16/f16 params, or their f32 master values for init)")
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params) if opt.keep_master else None
+    return FusedAdamWState(jnp.zeros((), jnp.int32), zeros, zeros, master)
 
   def update_fn(grads, state, params=None):
     if params is None:
