@@ -204,6 +204,34 @@ def test_sharded_fused_adamw_rounds_with_global_index(mesh, impl):
     assert (bits(got) != bits(params[k])).any(), k
 
 
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+def test_sharded_fused_recipe_rounds_like_the_unfused_recipe(mesh, impl):
+  """A fused recipe's optimizer (build_optimizer(..., axis_name="data") around
+  fused_adamw) on ZeRO shards: the same params, moments and guard counters, bit for bit,
+  as bf16_sr around optax.adamw on the same shards, and (params) as bf16_sr on whole
+  leaves on one device."""
+  params, grads, layouts = _problem()
+  mask = {k: len(s) >= 2 for k, s in SHAPES.items()}  # flat shards: the rule spelled out
+  fused_r = mp.get_recipe("bf16_sr").replace(name="bf16_sr_fused", fused=True)
+  fused = optim.build_optimizer(
+      fused_r, optim.fused_adamw(1e-3, weight_decay=0.1, mask=mask, impl=impl), seed=SEED,
+      axis_name="data")
+  adamw = optax.adamw(1e-3, weight_decay=0.1, mask=mask)
+  unfused = optim.build_optimizer("bf16_sr", adamw, seed=SEED, axis_name="data")
+  p_f, s_f = _sharded(fused, params, grads, layouts, _optax_apply, mesh)
+  p_u, s_u = _sharded(unfused, params, grads, layouts, _optax_apply, mesh)
+  assert_bit_identical(p_f, p_u)
+  state = optim._query.find_state(s_f, mp.rounding.FusedAdamWState)
+  adam = optim._query.find_state(s_u, optax.ScaleByAdamState)
+  assert_bit_identical((state.mu, state.nu), (adam.mu, adam.nu))
+  assert_bit_identical(optim.optimizer_metrics(s_f)["skipped_steps"],
+                       optim.optimizer_metrics(s_u)["skipped_steps"])
+  full, _ = _single_device(optim.build_optimizer("bf16_sr", adamw, seed=SEED), params,
+                           grads, jax.jit(_optax_apply, static_argnums=0))
+  for k in SHAPES:
+    assert_bit_identical(unflatten(p_f[k], layouts[k]), full[k], k)
+
+
 # --- end to end: data_parallel -----------------------------------------------------------
 
 def test_data_parallel_sr_same_bits_in_every_stage(mesh):
@@ -231,3 +259,23 @@ def test_data_parallel_sr_same_bits_in_every_stage(mesh):
     assert (bits(out[0][k]) != bits(start[k])).any(), k
     for stage in (1, 3):
       assert_bit_identical(out[stage][k], out[0][k], f"stage {stage} {k}")
+
+
+def test_data_parallel_fused_recipe_same_bits_as_bf16_sr_in_every_stage(mesh):
+  """data_parallel with a fused recipe (fused_adamw as the inner optimizer), 3 steps:
+  stages 0, 1 and 3 end bit-identical to each other and to bf16_sr around optax.adamw."""
+  mask = jax.tree.map(lambda a: np.ndim(a) >= 2, make_params())  # explicit for shards
+  fused_r = mp.get_recipe("bf16_sr").replace(name="bf16_sr_fused", fused=True)
+
+  def train(recipe, inner, stage):
+    dp = parallel.data_parallel(loss_fn, inner, mesh, zero_stage=stage, recipe=recipe,
+                                seed=7)
+    state = dp.init(make_params())
+    for batch in make_batches(STEPS):
+      state, _ = dp.step(state, dp.shard_batch(batch))
+    return jax.tree.map(np.asarray, dp.params(state))
+
+  want = train("bf16_sr", optax.adamw(LR, weight_decay=0.1, mask=mask), 0)
+  for stage in (0, 1, 3):
+    got = train(fused_r, optim.fused_adamw(LR, weight_decay=0.1, mask=mask), stage)
+    assert_bit_identical(got, want, f"stage {stage}")
