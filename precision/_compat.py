@@ -1,13 +1,13 @@
-"""Every private JAX / Flax name the library uses, in one place.
+"""Every private JAX / Flax / Orbax name the library uses, in one place.
 
 The library's dependencies are version ranges (pyproject.toml), so a private name may move
 in a release inside the range. Each one is imported here and nowhere else;
 tests/test_compat.py imports every entry of `PRIVATE_NAMES` and fails naming any that
 disappeared. All are checked by that test against the versions CI installs (jax 0.10.2,
-flax 0.12.8, orbax-checkpoint 0.12.8, constraints.txt); the transpose rules, xla_bridge and
-the Flax name were also found unchanged in the jax 0.11.2 / 0.12.0.1 and flax 0.12.12
-wheels. The others (source_info_util, the Orbax helper) have been seen in 0.10.2 only: on
-a newer JAX, run tests/test_compat.py first.
+flax 0.12.8, orbax-checkpoint 0.12.8, constraints.txt); the transpose rules and xla_bridge
+were also found unchanged in the jax 0.11.2 / 0.12.0.1 wheels. The others
+(source_info_util, the Orbax helper) have been seen in 0.10.2 only: on a newer JAX, run
+tests/test_compat.py first.
 
 | name                                              | used for                                   |
 |---------------------------------------------------|--------------------------------------------|
@@ -17,7 +17,6 @@ a newer JAX, run tests/test_compat.py first.
 |                                                   | line and name stack (the audit reads them)  |
 | jax._src.xla_bridge.backends_are_initialized      | the faithful-rounding switch refuses late   |
 |                                                   | enabling                                    |
-| flax.linen.linear._Conv                           | the base of Linen's Conv and ConvLocal      |
 | orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop | a failed checkpoint read drains |
 |                                                   | its TensorStore reads before the loop closes |
 |                                                   | (orbax-checkpoint 0.12.8, the newest in range) |
@@ -42,7 +41,6 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("jax._src.source_info_util", "user_context"),
     ("jax._src.source_info_util", "current_name_stack"),
     ("jax._src.xla_bridge", "backends_are_initialized"),
-    ("flax.linen.linear", "_Conv"),
 )
 
 
@@ -93,11 +91,6 @@ def current_name_stack():
 
 def backends_are_initialized() -> bool:
   return bool(resolve("jax._src.xla_bridge", "backends_are_initialized")())
-
-
-def linen_conv_base() -> type:
-  """flax.linen's private base class of Conv and ConvLocal."""
-  return resolve("flax.linen.linear", "_Conv")
 
 
 # --- Orbax ------------------------------------------------------------------------------

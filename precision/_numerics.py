@@ -25,6 +25,8 @@ import os
 
 import numpy as np
 
+from precision import _compat
+
 _FLAG = "--xla_allow_excess_precision=false"
 _ENV = "XLA_FLAGS"
 # The probe's answer for this process (None until a probe ran after a backend started).
@@ -32,8 +34,6 @@ _PROBED: bool | None = None
 
 
 def _backends_started() -> bool:
-  from precision import _compat  # pylint: disable=g-import-not-at-top
-
   return _compat.backends_are_initialized()
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from precision._autocast._api import AutocastSpec
 from precision._policy import Policy
-from precision._recipe import Fp8Config, Recipe, get_recipe
+from precision._recipe import PRESETS, Fp8Config, Recipe, get_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,8 @@ class Plan:
 
   def memory_ledger(self, inner: str = "adamw") -> dict[str, float]:
     """Bytes per parameter of each persistent tensor (`precision.optim.memory_ledger`)."""
-    from precision.optim import _ledger  # pylint: disable=g-import-not-at-top  (cycle)
+    # In the function: precision.optim imports this module (build_optimizer takes a Plan).
+    from precision.optim import _ledger  # pylint: disable=g-import-not-at-top
     return _ledger.memory_ledger(self.recipe, inner)
 
   def optimizer(self, inner, seed: int = 0, *, axis_name: str | None = None):
@@ -92,7 +93,8 @@ class Plan:
     Examples:
       >>> tx = plan.optimizer(optax.adamw(3e-4))
     """
-    from precision.optim import _build  # pylint: disable=g-import-not-at-top  (cycle)
+    # In the function: precision.optim imports this module (build_optimizer takes a Plan).
+    from precision.optim import _build  # pylint: disable=g-import-not-at-top
     return _build.build_optimizer(self.recipe, inner, seed=seed, axis_name=axis_name)
 
   def describe(self) -> str:
@@ -134,7 +136,8 @@ def bind(recipe: Recipe | str, overrides: Mapping[Any, Any] | None = None,
   recipe = get_recipe(recipe)
   spec = AutocastSpec.build(recipe.policy, overrides,
                             recipe.fp32_ops if fp32_ops is None else fp32_ops, recipe=recipe)
-  from precision.optim import _ledger  # pylint: disable=g-import-not-at-top  (cycle)
+  # In the function: precision.optim imports this module (memory_ledger takes a Plan).
+  from precision.optim import _ledger  # pylint: disable=g-import-not-at-top
   return Plan(recipe, spec, _ledger.bytes_per_param(recipe))
 
 
@@ -164,7 +167,6 @@ def recipe_of(recipe: Plan | Recipe | str) -> Recipe:
 
 def is_recipe(value: Any) -> bool:
   """A Recipe or a preset name (a policy string such as "bf16" or "p=f32,c=bf16" is not)."""
-  from precision._recipe import PRESETS  # pylint: disable=g-import-not-at-top
   return isinstance(value, Recipe) or (isinstance(value, str) and value in PRESETS)
 
 

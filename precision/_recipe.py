@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from precision._fp32_ops import check_names
 from precision._policy import Policy, dtype_name, get_policy, parse_dtype
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -38,7 +39,6 @@ STORAGE_DTYPES = ("f32", "bf16", "f16")
 MASTER_DTYPES = ("f32",)
 
 _F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 _INT32_MAX = 2 ** 31 - 1
 # Version of the dict layout `Recipe.to_dict` writes (its "schema" key). Dicts written
 # before the key existed carry exactly the fields of version 1 and read as version 1.
@@ -142,7 +142,8 @@ def _check_pair(path: str, value: Any, lo: int, hi: int) -> tuple[int, int]:
 
 
 def _check_keys(path: str, d: Any, cls: type, optional: tuple[str, ...] = ()) -> None:
-  """`d` is a dict with exactly the fields of dataclass `cls` (plus `optional` keys)."""
+  """`d` is a dict with exactly the fields of dataclass `cls`; `optional` keys (fields or
+  not) may be absent."""
   where = path or "recipe"
   if not isinstance(d, dict):
     raise ValueError(f"{where}={d!r}; accepted: a dict with the fields of {cls.__name__}")
@@ -151,7 +152,7 @@ def _check_keys(path: str, d: Any, cls: type, optional: tuple[str, ...] = ()) ->
   if bad_keys:
     raise ValueError(f"{where}: field names must be strings, got {bad_keys!r}")
   unknown = sorted(set(d) - set(fields) - set(optional))
-  missing = [k for k in fields if k not in d]
+  missing = [k for k in fields if k not in d and k not in optional]
   prefix = f"{path}." if path else ""
   if unknown:
     raise ValueError(f"{where}: unknown field(s) {', '.join(prefix + k for k in unknown)}; "
@@ -356,7 +357,9 @@ class Recipe:
   `master_dtype` (None or f32, wider than the params); `mu_dtype` / `nu_dtype` (Adam moment
   storage) and `reduce_dtype` (cross-device gradient reduction), each f32, bf16 or f16;
   `rounding` (nearest | stochastic | kahan); `loss_scale`; `fp8` (None or Fp8Config);
-  `fp32_ops` (op names kept in f32); `allow_f16_without_loss_scale`.
+  `fp32_ops` (op names kept in f32); `allow_f16_without_loss_scale`; `fused` (the update
+  is AdamW + stochastic rounding in one fused pass, `precision.optim.fused_adamw`: only
+  with ``rounding="stochastic"``, 16-bit params, f32 moments and no master or an f32 one).
 
   Examples:
     >>> r = get_recipe("bf16_master")
@@ -377,6 +380,7 @@ class Recipe:
   fp8: Fp8Config | None = None
   fp32_ops: tuple[str, ...] = DEFAULT_FP32_OPS
   allow_f16_without_loss_scale: bool = False
+  fused: bool = False
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.strip():
@@ -412,12 +416,12 @@ class Recipe:
       raise _bad("fp8", self.fp8, "None, an Fp8Config or its dict")
     # The list's shape here (a list of distinct non-empty strings, never a bare string);
     # which names exist, in precision._fp32_ops (each name maps to JAX primitives).
-    from precision._fp32_ops import check_names  # pylint: disable=g-import-not-at-top
     _set(self, "fp32_ops", check_names(_check_names("fp32_ops", self.fp32_ops, "op names"),
                                        "fp32_ops"))
     _set(self, "allow_f16_without_loss_scale", _check_bool(
         "allow_f16_without_loss_scale", self.allow_f16_without_loss_scale))
     _check_choice("rounding", self.rounding, ROUNDINGS)
+    _set(self, "fused", _check_bool("fused", self.fused))
     param = self.policy.param_dtype
     if self.master_dtype is not None:
       if self.master_dtype.itemsize <= param.itemsize:
@@ -443,6 +447,27 @@ class Recipe:
           f"{str(self.policy)!r}, loss_scale.kind='none'): small gradients underflow f16 "
           "(smallest subnormal 6e-8). Set loss_scale=LossScaleConfig(kind='dynamic') or "
           "allow_f16_without_loss_scale=True.")
+    if self.fused:
+      self._check_fused()
+
+  def _check_fused(self) -> None:
+    """`fused` computes one update: AdamW with f32 moments, rounded stochastically into
+    16-bit params, from the params themselves or an f32 master (`FusedAdamW`)."""
+    wrong = []
+    if self.rounding != "stochastic":
+      wrong.append(f"rounding={self.rounding!r}")
+    if self.policy.param_dtype not in _SIXTEEN_BIT:
+      wrong.append(f"param dtype {dtype_name(self.policy.param_dtype)}")
+    for field in ("mu_dtype", "nu_dtype"):
+      if getattr(self, field) != _F32:
+        wrong.append(f"{field}={dtype_name(getattr(self, field))}")
+    if wrong:
+      raise ValueError(
+          f"fused=True with {', '.join(wrong)}: the fused AdamW kernel rounds "
+          "stochastically into bf16/f16 params and keeps f32 moments; accepted: "
+          "fused=True with rounding='stochastic', a bf16 or f16 param dtype, "
+          "mu_dtype=nu_dtype=f32 (e.g. get_recipe('bf16_sr').replace(fused=True)), "
+          "or fused=False")
 
   @property
   def swamping_risk(self) -> bool:
@@ -466,6 +491,8 @@ class Recipe:
       parts.append(f"fp8 GEMMs {self.fp8.forward_format}/{self.fp8.backward_format}, "
                    f"{self.fp8.scaling} scaling")
     text = "; ".join(parts) + "."
+    if self.fused:
+      text = text[:-1] + "; fused AdamW + stochastic rounding kernel."
     if self.swamping_risk:
       text += (" WARNING: swamping: 16-bit params with nearest rounding and no master copy "
                "lose updates smaller than half an ulp (bf16: 1.0 + 1e-5 == 1.0).")
@@ -475,8 +502,12 @@ class Recipe:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
-    """JSON-safe dict; ``Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r``."""
-    return {
+    """JSON-safe dict; ``Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r``.
+
+    "fused" is written only when True: the dict of every unfused recipe is the one written
+    before the field existed (checkpoints and study identities compare these dicts).
+    """
+    d = {
         "schema": SCHEMA_VERSION,
         "name": self.name,
         "policy": str(self.policy),
@@ -490,6 +521,9 @@ class Recipe:
         "fp32_ops": list(self.fp32_ops),
         "allow_f16_without_loss_scale": self.allow_f16_without_loss_scale,
     }
+    if self.fused:
+      d["fused"] = True
+    return d
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> Recipe:
@@ -500,7 +534,7 @@ class Recipe:
     (a string where a list belongs, an int where a bool belongs, 2000.0 for an integer and
     None for a dtype are refused), numbers finite and in range, scales finite non-zero f32.
     The "schema" key is the layout version: 1, or absent in dicts written before it
-    existed (those hold the same fields).
+    existed (those hold the same fields). "fused" is optional: absent reads as False.
 
     Raises:
       ValueError: naming the field path (``fp8.margin``, ``fp32_ops[2]``), the value and
@@ -509,7 +543,7 @@ class Recipe:
     Examples:
       >>> Recipe.from_dict(json.load(open("recipe.json")))
     """
-    _check_keys("", d, cls, optional=("schema",))
+    _check_keys("", d, cls, optional=("schema", "fused"))
     if "schema" in d and (type(d["schema"]) is not int or d["schema"] != SCHEMA_VERSION):
       raise _bad("schema", d["schema"], f"{SCHEMA_VERSION} (this version's layout), or absent")
     if not isinstance(d["policy"], str):

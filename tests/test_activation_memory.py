@@ -25,17 +25,13 @@ from flax import nnx
 import precision as mp
 from precision import ops
 from models import gpt as gpt_lib
+from _asserts import assert_bit_identical
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
 def _nbytes(tree) -> int:
   return int(sum(np.dtype(x.dtype).itemsize * x.size for x in jax.tree.leaves(tree)))
-
-
-def _same_bits(a, b) -> bool:
-  a, b = np.asarray(a), np.asarray(b)
-  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 # ----------------------------------------------------------------------------- GPT
@@ -102,10 +98,10 @@ def test_gpt_recomputed_glue_bit_identical_to_kept(recipe):
         lambda p: gpt_lib.loss_fn(nnx.merge(g, p, r), t))(p))
     out.append(f(params, rest, tokens))
   (loss, grads), (ref_loss, ref_grads) = out
-  assert _same_bits(loss, ref_loss)
+  assert_bit_identical(loss, ref_loss)
   flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
   assert len(flat) == len(ref_flat) == 21  # 9 per block, embed, final norm, head
-  assert all(_same_bits(a, b) for a, b in zip(flat, ref_flat))
+  assert_bit_identical(grads, ref_grads)
 
 
 # ----------------------------------------------------------------------------- ops
@@ -184,9 +180,9 @@ def test_island_values_and_grads_bit_identical_to_plain_formula(name, dtype):
   w = _W
   out, grads, res = jax.jit(functools.partial(_value_grads_residuals, ours))(x, w)
   ref_out, ref_grads, ref_res = jax.jit(functools.partial(_value_grads_residuals, plain))(x, w)
-  assert _same_bits(out, ref_out)
+  assert_bit_identical(out, ref_out)
   # The masked softmax's masked entries get zero gradient; compare signed zeros too.
-  assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
+  assert_bit_identical(grads, ref_grads)
   if dtype != F32 or name == "rotary_embedding":
     # The backward pass keeps no f32 array as large as the input.
     assert not [r.shape for r in res if r.dtype == F32 and r.size >= x.size], (
@@ -199,8 +195,9 @@ def test_island_values_and_grads_bit_identical_to_plain_formula(name, dtype):
 def test_attention_probs_matches_the_old_gpt_code_and_rejects_bad_input():
   s = jax.random.normal(jax.random.key(0), (2, 3, _T, _T), F32).astype(BF16)
   got = ops.attention_probs(s, _MASK, 0.25)
-  assert got.dtype == BF16 and _same_bits(got, _old_attention_probs(s, _MASK, 0.25))
-  assert _same_bits(ops.attention_probs(s), ops.softmax(s.astype(F32)).astype(BF16))
+  assert got.dtype == BF16
+  assert_bit_identical(got, _old_attention_probs(s, _MASK, 0.25))
+  assert_bit_identical(ops.attention_probs(s), ops.softmax(s.astype(F32)).astype(BF16))
   with pytest.raises(ValueError, match="floating"):
     ops.attention_probs(jnp.zeros((2, 2), jnp.int32))
   with pytest.raises(ValueError, match="bool"):

@@ -10,6 +10,7 @@ from flax import nnx
 import precision as mp
 import precision.optim  # noqa: F401
 from precision import checkpoint
+from _asserts import assert_bit_identical
 
 INNER = optax.adamw(1e-2)
 
@@ -40,14 +41,6 @@ def _trained(recipe, steps=3, d=8):
   return checkpoint.TrainState(params, opt, {}, rng)
 
 
-def _assert_tree_equal(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(la, lb):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 @pytest.mark.parametrize("name", ["fp32", "bf16_master", "f16_mixed"])
 def test_round_trip_is_exact(tmp_path, name):
   recipe = mp.get_recipe(name)
@@ -57,7 +50,7 @@ def test_round_trip_is_exact(tmp_path, name):
   fresh = checkpoint.TrainState(_params(recipe), _tx(recipe).init(_params(recipe)), {},
                                 jax.random.key_data(jax.random.key(0)))
   r = checkpoint.restore(tmp_path, fresh)
-  _assert_tree_equal(r.state, state)
+  assert_bit_identical(r.state, state)
   assert type(r.state.opt_state) is type(state.opt_state)
   assert r.step == 7 and r.recipe == recipe and r.saved_recipe == recipe
   assert r.data == {"seed": 1, "step": 7} and r.extra == {"note": "x"}
@@ -72,7 +65,7 @@ def test_keeps_last_k_and_restores_a_chosen_step(tmp_path):
     states[step] = _trained(recipe, steps=step)
     ckpt.save(step, states[step], recipe=recipe)
   assert ckpt.steps() == [2, 3]
-  _assert_tree_equal(ckpt.restore(states[1], step=2).state, states[2])
+  assert_bit_identical(ckpt.restore(states[1], step=2).state, states[2])
   with pytest.raises(ValueError, match=r"step=1 has no checkpoint.*\[2, 3\]"):
     ckpt.restore(states[1], step=1)
   ckpt.close()
@@ -114,7 +107,7 @@ def test_cross_recipe_restore_converts_from_the_master(tmp_path, src, dst):
   assert any(f"{src} -> {dst}" in n for n in r.converted)
   assert any("ScaleByAdamState" in n for n in r.converted)
   # Params: the f32 master rounded to nearest into the target's param dtype.
-  _assert_tree_equal(r.state.params, dst_r.policy.cast_to_param(master))
+  assert_bit_identical(r.state.params, dst_r.policy.cast_to_param(master))
   # A target master copy is the saved f32 view bit for bit. Without one (fp32, bf16_sr)
   # the state holds no master, and the f32 view of the target is its params: the saved
   # master itself for f32 params, its bf16 rounding for bf16 params.
@@ -122,17 +115,17 @@ def test_cross_recipe_restore_converts_from_the_master(tmp_path, src, dst):
       x, mp.optim.MasterState)) if isinstance(n, mp.optim.MasterState)]
   if dst_r.master_dtype is not None:
     assert len(masters) == 1
-    _assert_tree_equal(masters[0].master, master)
+    assert_bit_identical(masters[0].master, master)
   else:
     assert masters == []
     upcast = jax.tree.map(lambda x: x.astype(jnp.float32), dst_r.policy.cast_to_param(master))
-    _assert_tree_equal(mp.optim.master_params(r.state.opt_state, r.state.params), upcast)
+    assert_bit_identical(mp.optim.master_params(r.state.opt_state, r.state.params), upcast)
     if dst_r.policy.param_dtype == jnp.float32:
-      _assert_tree_equal(r.state.params, master)
+      assert_bit_identical(r.state.params, master)
   # Adam's moments carry over.
   find = lambda s: [n for n in jax.tree.leaves(s, is_leaf=lambda x: isinstance(
       x, optax.ScaleByAdamState)) if isinstance(n, optax.ScaleByAdamState)][0]
-  _assert_tree_equal(find(r.state.opt_state).mu, find(saved.opt_state).mu)
+  assert_bit_identical(find(r.state.opt_state).mu, find(saved.opt_state).mu)
   # dtypes are what the target recipe's own init gives, and training continues finitely.
   dtypes = lambda s: [(x.shape, x.dtype) for x in jax.tree.leaves(s)]
   assert jax.tree.structure(r.state.opt_state) == jax.tree.structure(target.opt_state)
@@ -172,8 +165,8 @@ def test_import_orbax_finds_the_params_and_names_every_problem(tmp_path):
     imp = checkpoint.import_orbax(path, target, recipe, optimizer=tx, **kw)
     assert (imp.params_path, imp.step) == (where, step)
     master = mp.optim.master_params(imp.state.opt_state, imp.state.params)
-    _assert_tree_equal(master, values)                                 # bit for bit
-    _assert_tree_equal(imp.state.params, recipe.policy.cast_to_param(values))
+    assert_bit_identical(master, values)                                 # bit for bit
+    assert_bit_identical(imp.state.params, recipe.policy.cast_to_param(values))
     assert [x.dtype for x in jax.tree.leaves(imp.state.opt_state)] == [
         x.dtype for x in jax.tree.leaves(target.opt_state)]
   # Problems: each names the path and what is wrong.
@@ -225,7 +218,7 @@ def test_one_train_state_type_with_the_paths_of_the_earlier_namedtuple(tmp_path)
   _orbax.save_item(str(tmp_path / "item"), earlier)
   got = _orbax.restore_item(str(tmp_path / "item"), _tree.to_abstract(state), "item")
   assert isinstance(got, mp.TrainState)
-  _assert_tree_equal(got, state)
+  assert_bit_identical(got, state)
   moved = state._replace(rng=state.rng + 1)                  # NamedTuple's API kept
   assert moved.params is state.params and int(moved.rng[0]) == int(state.rng[0]) + 1
   with pytest.raises(ValueError, match="accepted fields"):
@@ -272,19 +265,6 @@ def _dropout_run(seed, recipe):
   return graphdef, state, step
 
 
-def _as_data(tree):
-  """Typed keys as their uint32 data (numpy cannot hold keys), with their key dtypes."""
-  is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-  dtypes = [str(x.dtype) for x in jax.tree.leaves(tree)]
-  return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree), dtypes
-
-
-def _assert_state_equal(a, b):
-  (da, ta), (db, tb) = _as_data(a), _as_data(b)
-  assert ta == tb
-  _assert_tree_equal(da, db)
-
-
 def test_dropout_model_resumes_bit_exact_through_a_checkpoint(tmp_path):
   """N steps straight == N/2 steps, save, restore into a fresh model's state (other seed:
   every leaf differs), N/2 steps: params, moments, the Dropout's RNG key and counter, the
@@ -306,11 +286,11 @@ def test_dropout_model_resumes_bit_exact_through_a_checkpoint(tmp_path):
 
   _, target, _ = _dropout_run(1, recipe)
   r = checkpoint.restore(tmp_path, target)
-  _assert_state_equal(r.state, half)
+  assert_bit_identical(r.state, half)
   resumed = r.state
   for x, y in batches[2:]:
     resumed = step(resumed, x, y)
-  _assert_state_equal(resumed, straight)
+  assert_bit_identical(resumed, straight)
   rest = straight.model_state
   assert int(rest["drop"]["rngs"]["count"][...]) == 4      # one draw per step
   assert int(rest["spare"]["default"]["count"][...]) == 0  # never drawn
@@ -335,14 +315,14 @@ def test_keys_restore_into_shape_dtype_structs_and_other_impls_do_not_fit(tmp_pa
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
   assert abstract.rng.dtype == jax.random.key(0).dtype
   r = checkpoint.restore(tmp_path, abstract)
-  _assert_state_equal(r.state, state)
+  assert_bit_identical(r.state, state)
   assert jax.dtypes.issubdtype(r.state.model_state["drop"]["rngs"]["key"][...].dtype,
                                jax.dtypes.prng_key)
   # Replicated on a mesh (the key data's sharding follows the key's), and through a
   # cross-recipe restore, which carries the model state over as it is.
   mesh = jax.make_mesh((len(jax.devices()),), ("data",))
   r = checkpoint.restore(tmp_path, abstract, mesh=mesh)
-  _assert_state_equal(r.state, state)
+  assert_bit_identical(r.state, state)
   assert r.state.rng.sharding.is_fully_replicated and len(r.state.rng.sharding.device_set) > 1
   bf16 = mp.get_recipe("bf16_master")
   params = bf16.policy.cast_to_param(target.params)
@@ -350,7 +330,7 @@ def test_keys_restore_into_shape_dtype_structs_and_other_impls_do_not_fit(tmp_pa
                                                    opt_state=_tx(bf16).init(params)),
                          recipe=bf16, optimizer_for=_tx)
   assert r.converted and r.state.params["up"]["kernel"][...].dtype == jnp.bfloat16
-  _assert_state_equal((r.state.model_state, r.state.rng), (state.model_state, state.rng))
+  assert_bit_identical((r.state.model_state, r.state.rng), (state.model_state, state.rng))
   # A key restores into keys of the impl it was saved with; another impl, or raw uint32
   # key data, does not fit, and the error names the leaf and both dtypes.
   rbg = target._replace(rng=jax.random.key(0, impl="rbg"))

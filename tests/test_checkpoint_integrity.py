@@ -21,13 +21,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 import precision as mp
 import precision.optim  # noqa: F401
 from precision import checkpoint
+from _asserts import bit_identical
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = mp.get_recipe("bf16_master")
@@ -52,13 +52,6 @@ def _target():
   params = RECIPE.policy.cast_to_param({"w": jnp.zeros((8, 4)), "b": jnp.zeros((4,))})
   return checkpoint.TrainState(params, TX.init(params), {},
                                jax.random.key_data(jax.random.key(0)))
-
-
-def _equal(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-      for x, y in zip(la, lb))
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +120,7 @@ def damage_matrix(saved_dir, states, work):
                                 "checkpoint" in warned[0]) and (
           rel in warned[0] or "integrity.json" in warned[0])
       if (r.step == 1 and named and len(r.skipped) == 1 and r.data == DATA[1]
-          and _equal(r.state, states[1])):
+          and bit_identical(r.state, states[1])):
         rows.append((kind, rel, "fell back to step 1, damaged file named"))
       else:
         rows.append((kind, rel, f"restored step {r.step}, warnings {warned}"))
@@ -161,7 +154,7 @@ def test_every_damaged_file_falls_back(saved, states, tmp_path):
 def test_intact_directory_restores_newest_exactly(saved, states):
   r, warned = _restore(saved)
   assert r.step == 2 and r.verified and r.skipped == () and not warned
-  assert _equal(r.state, states[2]) and r.data == DATA[2] and r.seed == 0 and r.run_id
+  assert bit_identical(r.state, states[2]) and r.data == DATA[2] and r.seed == 0 and r.run_id
 
 
 def test_damaged_explicit_step_and_no_intact_step_raise(saved, tmp_path):
@@ -193,7 +186,7 @@ def test_restored_arrays_are_checked_too(saved, states, tmp_path):
   m["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
   path.write_text(json.dumps(m))
   r, warned = _restore(d)
-  assert r.step == 1 and _equal(r.state, states[1])
+  assert r.step == 1 and bit_identical(r.state, states[1])
   assert f"array '{leaf}' restored with other bytes" in warned[0]
 
 
@@ -281,7 +274,7 @@ def test_failed_save_leaves_the_last_good_step(saved, states, tmp_path, monkeypa
       ckpt.save(2, states[1], recipe=RECIPE, model_config=MODEL, seed=0)
   assert sorted(os.listdir(d)) == ["1", "2", "precision.lock", "precision_run.json"]
   r, warned = _restore(d)
-  assert r.step == 2 and _equal(r.state, states[2]) and not warned
+  assert r.step == 2 and bit_identical(r.state, states[2]) and not warned
 
 
 def test_replaced_step_moved_aside_is_put_back(saved, states, tmp_path):
@@ -296,7 +289,7 @@ def test_replaced_step_moved_aside_is_put_back(saved, states, tmp_path):
     assert ckpt.cleaned == [".tmp-2-89abcdef"]
   assert sorted(os.listdir(d)) == ["1", "2", "precision.lock", "precision_run.json"]
   r, _ = _restore(d)
-  assert r.step == 2 and _equal(r.state, states[2])
+  assert r.step == 2 and bit_identical(r.state, states[2])
 
 
 def test_keep_and_abandoned_future(saved, states, tmp_path):
@@ -309,7 +302,7 @@ def test_keep_and_abandoned_future(saved, states, tmp_path):
     ckpt.save(2, states[1], recipe=RECIPE, model_config=MODEL, seed=0)
     assert ckpt.steps() == [2]
   r, _ = _restore(d)
-  assert r.step == 2 and _equal(r.state, states[1])
+  assert r.step == 2 and bit_identical(r.state, states[1])
   assert not [n for n in os.listdir(d) if n.startswith(".")]
 
 
@@ -429,13 +422,13 @@ def test_checkpoints_of_the_earlier_format_still_restore(states, tmp_path):
   with pytest.warns(checkpoint.CheckpointUnverifiedWarning, match="step 2 carries no checksums"):
     checkpoint.restore(d, _target(), allow_unverified=True)
   r, warned = _restore(d, allow_unverified=True)
-  assert r.step == 2 and not r.verified and _equal(r.state, states[2]) and not warned
+  assert r.step == 2 and not r.verified and bit_identical(r.state, states[2]) and not warned
   # Damage Orbax notices is passed over like any other.
   big = max((os.path.join(root, f) for root, _, fs in os.walk(d / "2" / "state") for f in fs),
             key=os.path.getsize)
   os.truncate(big, 10)
   r, warned = _restore(d, allow_unverified=True)
-  assert r.step == 1 and _equal(r.state, states[1])
+  assert r.step == 1 and bit_identical(r.state, states[1])
   assert "step 2: Orbax cannot read" in warned[0]
   # Such a directory is claimed only by the run its newest step belongs to.
   with checkpoint.Checkpointer(d) as ckpt:

@@ -11,6 +11,7 @@ import pytest
 import precision as mp
 from precision.flax import linen_policy
 import _models as M
+from _asserts import assert_bit_identical
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 MIXED = "p=f32,c=bf16,o=f32"
@@ -130,13 +131,6 @@ class _TrainNet(nn.Module):
     return nn.Dense(4)(x)
 
 
-def _bits_equal(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
-  for x, y in zip(la, lb):
-    assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-
-
 @pytest.mark.parametrize("use_deterministic", [False, True])
 def test_keyword_arguments_mutable_and_rngs_reach_the_module(use_deterministic):
   net = _TrainNet(use_deterministic)
@@ -157,7 +151,7 @@ def test_keyword_arguments_mutable_and_rngs_reach_the_module(use_deterministic):
 
   ref, lib = run(None), run("fp32")
   for a, b in zip(ref, lib):
-    _bits_equal(a, b)
+    assert_bit_identical(a, b)
   _, y_train, new, y_eval, _ = lib
   assert not np.array_equal(np.asarray(y_train), np.asarray(y_eval))  # the modes differ
   assert not np.array_equal(np.asarray(new["batch_stats"]["BatchNorm_0"]["mean"]), 0)

@@ -13,6 +13,7 @@ import precision as mp
 from precision.flax import _scopes
 from precision.flax import apply_policy, apply_recipe
 import _models as M
+from _asserts import assert_bit_identical
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 MIXED = "p=f32,c=bf16,o=f32"
@@ -33,12 +34,6 @@ def _loss_and_grads(model, loss_fn, *args, promotion="strict"):
   return jax.jit(step), state
 
 
-def _equal_trees(a, b):
-  return all(jax.tree.leaves(jax.tree.map(
-      lambda x, y: bool(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))),
-      a, b)))
-
-
 @pytest.mark.parametrize("kind", ["mlp", "lm"])
 def test_fp32_policy_bit_identical(kind, tokens):
   if kind == "mlp":
@@ -53,8 +48,8 @@ def test_fp32_policy_bit_identical(kind, tokens):
   f_ref, s_ref = _loss_and_grads(ref, loss, *args, promotion="standard")
   f_lib, s_lib = _loss_and_grads(lib, loss, *args)
   (l0, g0), (l1, g1) = f_ref(s_ref, *args), f_lib(s_lib, *args)
-  assert np.array_equal(np.asarray(l0), np.asarray(l1))
-  assert _equal_trees(nnx.to_pure_dict(g0), nnx.to_pure_dict(g1))
+  assert_bit_identical(l0, l1)
+  assert_bit_identical(nnx.to_pure_dict(g0), nnx.to_pure_dict(g1))
   fwd = lambda m, x: nnx.jit(lambda m, x: m(x))(m, x)
   with jax.numpy_dtype_promotion("standard"):
     out_ref = fwd(ref, args[0])
@@ -249,7 +244,7 @@ def test_rng_state_under_jax_grad_of_the_functional_pattern(deterministic):
   y = jax.random.normal(jax.random.key(2), (4, 8), F32)
   ref = _functional_grads(_WithRngs(deterministic), x, y)
   lib = _functional_grads(apply_recipe(_WithRngs(deterministic), "fp32"), x, y)
-  assert _equal_trees(lib, ref)
+  assert_bit_identical(lib, ref)
   rest = ref[2]
   assert int(rest["drop"]["rngs"]["count"][...]) == (0 if deterministic else 1)
   assert int(rest["spare"]["default"]["count"][...]) == 0
@@ -257,7 +252,8 @@ def test_rng_state_under_jax_grad_of_the_functional_pattern(deterministic):
     assert float(ref[0]) != float(_functional_grads(_WithRngs(True), x, y)[0])
   value, grads, bf16_rest = _functional_grads(apply_recipe(_WithRngs(deterministic),
                                                            "bf16_mixed"), x, y)
-  assert np.isfinite(float(value)) and _equal_trees(bf16_rest, rest)
+  assert np.isfinite(float(value))
+  assert_bit_identical(bf16_rest, rest)
   assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(F32)}
 
 

@@ -17,6 +17,7 @@ from flax.linen import fp8_ops
 import precision as mp
 from precision import formats
 from precision.fp8 import _scaling as sc
+from _asserts import assert_bit_identical
 
 F32 = jnp.float32
 DN = (((1,), (0,)), ((), ()))  # [M, K] x [K, N]
@@ -561,12 +562,11 @@ def _combined(states):
   """What one use of the concatenated gradient operand records: histories and scales by
   max, saturation and underflow counts summed."""
   return {f: (np.maximum.reduce if f in ("amax_history", "scale") else np.add.reduce)(
-      [s[f] for s in states]) for f in _GRAD_FIELDS}
+      [s[f] for s in states]).astype(states[0][f].dtype) for f in _GRAD_FIELDS}
 
 
 def _assert_grad_state_equal(got, want):
-  for f in _GRAD_FIELDS:
-    np.testing.assert_array_equal(got[f], want[f], err_msg=f)
+  assert_bit_identical({f: got[f] for f in _GRAD_FIELDS}, {f: want[f] for f in _GRAD_FIELDS})
 
 
 def _fp8_linear(grad_scaling="delayed", seed=0):
@@ -888,9 +888,7 @@ def test_rollback_fp8_state_with_guard():
   # A NaN loss: NaN grads.
   p2, s2, o2, skipped = step(p1, s1, o1, jnp.float32(np.nan))
   assert bool(skipped) and int(mp.optim.optimizer_metrics(o2)["skipped_steps"]) == 1
-  for k, v in _fp8_state_np(s1).items():
-    np.testing.assert_array_equal(_fp8_state_np(s2)[k].view(np.uint32), v.view(np.uint32),
-                                  err_msg=k)
+  assert_bit_identical(_fp8_state_np(s2), _fp8_state_np(s1))
   with pytest.raises(ValueError, match="only one of the two optimizer states"):
     mp.optim.step_skipped(o1, {})
   assert not bool(mp.optim.step_skipped({}, {}))
@@ -919,14 +917,10 @@ def test_trainlib_step_rolls_back_fp8_state_of_a_skipped_step():
   poisoned = jax.tree_util.tree_map_with_path(
       lambda p, v: jnp.full_like(v, np.nan) if "lm_head" in jax.tree_util.keystr(p) else v,
       state.params)
-  params_1 = [np.asarray(v) for v in jax.tree.leaves(poisoned)]
+  params_1 = jax.tree.map(np.asarray, poisoned)
   state = state._replace(params=poisoned)
   state, m2 = trainlib.step_once(compiled, state, tokens)
   assert m2["skipped_steps"] == 1 and not np.isfinite(m2["loss"])
   fp8_2 = _fp8_state_np(state.model_state)
-  for k in fp8_1:
-    np.testing.assert_array_equal(fp8_2[k].view(np.uint32), fp8_1[k].view(np.uint32), err_msg=k)
-  for a, b in zip(jax.tree.leaves(state.params), params_1):
-    np.testing.assert_array_equal(np.asarray(a).view(np.uint16 if a.dtype.itemsize == 2
-                                                     else np.uint32),
-                                  b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32))
+  assert_bit_identical(fp8_2, fp8_1)
+  assert_bit_identical(state.params, params_1)

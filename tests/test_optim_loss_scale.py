@@ -11,24 +11,13 @@ import pytest
 
 import precision
 from precision import optim as po
+from _asserts import assert_bit_identical
 
 # These tests drive the loss-scaling transform with synthetic gradients, not with a loss
 # scaled by loss_scale_of: the warning meant for training loops says nothing here.
 pytestmark = pytest.mark.filterwarnings("ignore::precision.optim.UnscaledGradientsWarning")
 
 F32_TINY = float(np.finfo(np.float32).tiny)
-
-
-def _bits(x):
-  x = np.asarray(x)
-  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def assert_tree_bitwise(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert np.asarray(x).dtype == np.asarray(y).dtype
-    np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
 def _fields(ls):
@@ -79,7 +68,7 @@ def test_orbax_save_restore_keeps_every_field(tmp_path, custom_scale):
   ckpt.wait_until_finished()
   restored = ckpt.restore(tmp_path / "s", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
   assert _fields(restored.loss_scale) == _fields(custom_scale)
-  assert_tree_bitwise(restored, state)
+  assert_bit_identical(restored, state)
 
 
 def test_invalid_settings_raise():
@@ -191,8 +180,8 @@ def test_skipped_step_is_bit_identical(bad):
   params = po.apply_updates(params, u)
   bad_grads = {"w": good["w"].at[2].set(bad), "b": good["b"]}
   u, new_state = update(bad_grads, state, params)
-  assert_tree_bitwise(po.apply_updates(params, u), params)
-  assert_tree_bitwise(new_state.inner_state, state.inner_state)
+  assert_bit_identical(po.apply_updates(params, u), params)
+  assert_bit_identical(new_state.inner_state, state.inner_state)
   m = po.optimizer_metrics(new_state)
   assert float(m["loss_scale"]) == 2.0 ** 14
   assert int(m["skipped_steps"]) == 1 and int(m["nonfinite_steps"]) == 1
@@ -237,7 +226,7 @@ def test_f16_model_tiny_scale_with_injected_overflows():
     if not bool(finite):
       nonfinite.append(t)
       natural.append(t not in inject)
-      assert_tree_bitwise(new_params, params)
+      assert_bit_identical(new_params, params)
     params = new_params
     assert int(po.optimizer_metrics(state)["skipped_steps"]) == len(nonfinite)
   assert set(inject) <= set(nonfinite)

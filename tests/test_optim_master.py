@@ -11,19 +11,8 @@ import precision
 from precision import optim as po
 from precision.rounding import leaf_seed
 from precision.rounding import stochastic_round
-
-
-def _bits(x):
-  x = np.asarray(x)
-  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def assert_tree_bitwise(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    assert np.asarray(x).dtype == np.asarray(y).dtype
-    np.testing.assert_array_equal(_bits(x), _bits(y))
+from _asserts import assert_bit_identical
+from _asserts import bits
 
 
 def _params(dtype=jnp.bfloat16, seed=0):
@@ -83,10 +72,10 @@ def test_master_50_adamw_steps_bit_identical_to_optax():
   params = _params(jnp.bfloat16)
   p, state = _run(po.master_weights(inner), params, 50)
   ref, ref_state = _optax_reference(inner, precision.cast_floating(params, jnp.float32), 50)
-  assert_tree_bitwise(state.master, ref)
-  assert_tree_bitwise(state.inner_state, ref_state)
-  assert_tree_bitwise(p, precision.cast_floating(ref, jnp.bfloat16))
-  assert_tree_bitwise(po.master_params(state, p), ref)
+  assert_bit_identical(state.master, ref)
+  assert_bit_identical(state.inner_state, ref_state)
+  assert_bit_identical(p, precision.cast_floating(ref, jnp.bfloat16))
+  assert_bit_identical(po.master_params(state, p), ref)
 
 
 def _eager(tx, params, steps, apply):
@@ -116,8 +105,8 @@ def test_fp32_params_bit_identical_to_inner(name):
   p, state = _eager(po.build_optimizer(recipe, inner), params, 20, po.apply_updates)
   with jax.numpy_dtype_promotion("standard"):
     ref, ref_state = _eager(inner, params, 20, optax.apply_updates)
-  assert_tree_bitwise(p, ref)
-  assert_tree_bitwise(state.inner_state, ref_state)
+  assert_bit_identical(p, ref)
+  assert_bit_identical(state.inner_state, ref_state)
   assert int(po.optimizer_metrics(state)["consecutive_finite"]) == 20
 
 
@@ -126,8 +115,8 @@ def test_fp32_recipe_jitted_bit_identical_sgd_momentum():
   params = _params(jnp.float32)
   p, state = _run(po.build_optimizer("fp32", inner), params, 30)
   ref, ref_state = _optax_reference(inner, params, 30)
-  assert_tree_bitwise(p, ref)
-  assert_tree_bitwise(state.inner_state, ref_state)
+  assert_bit_identical(p, ref)
+  assert_bit_identical(state.inner_state, ref_state)
 
 
 def test_stochastic_master_follows_rounding_convention():
@@ -141,7 +130,7 @@ def test_stochastic_master_follows_rounding_convention():
     leaves = jax.tree.leaves(state.master)
     want = [stochastic_round(m, jnp.bfloat16, key=leaf_seed(seed, i), step=t)
             for i, m in enumerate(leaves)]
-    assert_tree_bitwise(jax.tree.leaves(params), want)
+    assert_bit_identical(jax.tree.leaves(params), want)
   assert int(state.count) == 3
 
 
@@ -151,8 +140,8 @@ def test_apply_updates_matches_optax():
   with jax.numpy_dtype_promotion("standard"):
     ref32 = optax.apply_updates(p32, u)
     ref16 = optax.apply_updates(p16, u)
-  assert_tree_bitwise(po.apply_updates(p32, u), ref32)
-  assert_tree_bitwise(po.apply_updates(p16, u), ref16)
+  assert_bit_identical(po.apply_updates(p32, u), ref32)
+  assert_bit_identical(po.apply_updates(p16, u), ref16)
   assert po.apply_updates({"a": None}, {"a": None}) == {"a": None}
 
 
@@ -166,9 +155,9 @@ def test_deltas_round_trip_exactly(dtype, ratio_bits):
   old, new = jnp.asarray(old).astype(dtype), jnp.asarray(new).astype(dtype)
   new = new.at[:10].set(0)
   got = po.apply_updates(old, po._apply.deltas(new, old, new))
-  normal = (np.abs(np.asarray(new, np.float32)) >= float(jnp.finfo(dtype).tiny)) | (_bits(new) == 0)
+  normal = (np.abs(np.asarray(new, np.float32)) >= float(jnp.finfo(dtype).tiny)) | (bits(new) == 0)
   assert normal.mean() > 0.85
-  np.testing.assert_array_equal(_bits(got)[normal], _bits(new)[normal])
+  np.testing.assert_array_equal(bits(got)[normal], bits(new)[normal])
   # Past the bound (a weight shrinking 2**(ratio_bits + 2)-fold) exactness is not promised:
   # the f32 delta cannot carry the few bits of `new` below old's f32 ulp.
   far_old, far_new = jnp.asarray([2.0 ** 30], dtype), jnp.asarray([2.0 ** -10], dtype)
@@ -179,21 +168,21 @@ def test_deltas_round_trip_exactly(dtype, ratio_bits):
 
 def test_remainder_split_merge_bit_exact():
   rng = np.random.default_rng(1)
-  bits = np.concatenate([rng.integers(0, 2 ** 32, 200000, dtype=np.uint64).astype(np.uint32),
-                         np.arange(2 ** 16, dtype=np.uint32) + np.uint32(0x3F800000),
-                         np.arange(2 ** 16, dtype=np.uint32) + np.uint32(0xBF800000)])
-  master = jnp.asarray(bits.view(np.float32))
+  pattern = np.concatenate([rng.integers(0, 2 ** 32, 200000, dtype=np.uint64).astype(np.uint32),
+                            np.arange(2 ** 16, dtype=np.uint32) + np.uint32(0x3F800000),
+                            np.arange(2 ** 16, dtype=np.uint32) + np.uint32(0xBF800000)])
+  master = jnp.asarray(pattern.view(np.float32))
   param, rem = jax.jit(po.split_master)(master)
   assert param.dtype == jnp.bfloat16 and rem.dtype == jnp.int16
-  np.testing.assert_array_equal(_bits(jax.jit(po.merge_master)(param, rem)), bits)
+  np.testing.assert_array_equal(bits(jax.jit(po.merge_master)(param, rem)), pattern)
   # The param is the master rounded to nearest; only exact ties differ from bf16's
   # ties-to-even (they go away from zero), and only for finite values.
-  finite = np.isfinite(bits.view(np.float32))
-  ref = bits.view(np.float32).astype(ml_dtypes.bfloat16)
-  tie = (bits & 0xFFFF) == 0x8000
-  np.testing.assert_array_equal(_bits(param)[finite & ~tie], _bits(ref)[finite & ~tie])
-  np.testing.assert_array_equal(_bits(param)[finite & tie],
-                                ((bits[finite & tie] >> 16) + 1).astype(np.uint16))
+  finite = np.isfinite(pattern.view(np.float32))
+  ref = pattern.view(np.float32).astype(ml_dtypes.bfloat16)
+  tie = (pattern & 0xFFFF) == 0x8000
+  np.testing.assert_array_equal(bits(param)[finite & ~tie], bits(ref)[finite & ~tie])
+  np.testing.assert_array_equal(bits(param)[finite & tie],
+                                ((pattern[finite & tie] >> 16) + 1).astype(np.uint16))
 
 
 def test_remainder_master_matches_master_weights():
@@ -202,11 +191,11 @@ def test_remainder_master_matches_master_weights():
   p_full, s_full = _run(po.master_weights(inner), params, 20)
   p_lean, s_lean = _run(po.remainder_master_weights(inner), params, 20)
   master = po.master_params(s_lean, p_lean)
-  assert_tree_bitwise(master, s_full.master)
-  assert_tree_bitwise(s_lean.inner_state, s_full.inner_state)
-  tie = jax.tree.map(lambda m: (_bits(m) & 0xFFFF) == 0x8000, master)
+  assert_bit_identical(master, s_full.master)
+  assert_bit_identical(s_lean.inner_state, s_full.inner_state)
+  tie = jax.tree.map(lambda m: (bits(m) & 0xFFFF) == 0x8000, master)
   for a, b, t in zip(jax.tree.leaves(p_lean), jax.tree.leaves(p_full), jax.tree.leaves(tie)):
-    np.testing.assert_array_equal(_bits(a)[~t], _bits(b)[~t])
+    np.testing.assert_array_equal(bits(a)[~t], bits(b)[~t])
   assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(s_lean.remainder))
 
 

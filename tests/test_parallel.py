@@ -16,6 +16,7 @@ import pytest
 import precision as mp
 from precision import optim
 from precision import parallel
+from _asserts import assert_bit_identical
 from _parallel_worker import (GLOBAL_BATCH, LR, STEPS, STEPS_MP, loss_fn, make_batches,
                               make_params)
 
@@ -556,14 +557,6 @@ def _host(tree):
   return jax.tree.map(np.asarray, tree)
 
 
-def _assert_bits_equal(a, b):
-  """Same structure, dtypes, shapes and bytes (so -0.0 != 0.0, NaN payloads count)."""
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(_host(a)), jax.tree.leaves(_host(b))):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert np.atleast_1d(x).tobytes() == np.atleast_1d(y).tobytes()
-
-
 def _run(dp, state, batches):
   losses = []
   for b in batches:
@@ -591,7 +584,7 @@ def test_checkpoint_resume_on_the_same_device_count_is_bit_exact(tmp_path, stage
   assert resumed.layout == straight.layout
   resumed, losses = _run(dp, resumed, batches[CKPT_K:])
   np.testing.assert_array_equal(losses, straight_losses[CKPT_K:])
-  _assert_bits_equal((resumed.params, resumed.opt_state), (straight.params, straight.opt_state))
+  assert_bit_identical((resumed.params, resumed.opt_state), (straight.params, straight.opt_state))
 
 
 @pytest.mark.parametrize("stage", (1, 3))
@@ -618,11 +611,11 @@ def test_checkpoint_of_8_devices_resumes_on_4(tmp_path, stage):
   recipe = mp.get_recipe(CKPT_RECIPE)
   mp.checkpoint.save(tmp_path, CKPT_K, saved, recipe=recipe)
   r = mp.checkpoint.restore(tmp_path, dp4.state_for_checkpoint(dp4.init(make_params())))
-  _assert_bits_equal((r.state.params, r.state.opt_state), (saved.params, saved.opt_state))
+  assert_bit_identical((r.state.params, r.state.opt_state), (saved.params, saved.opt_state))
   s4 = dp4.state_from_checkpoint(r.state)
   assert s4.layout.devices == 4 and s8.layout.devices == 8
   back = dp4.state_for_checkpoint(s4)
-  _assert_bits_equal((back.params, back.opt_state), (saved.params, saved.opt_state))
+  assert_bit_identical((back.params, back.opt_state), (saved.params, saved.opt_state))
 
   s8, losses8 = _run(dp8, s8, batches[CKPT_K:])
   s4, losses4 = _run(dp4, s4, batches[CKPT_K:])
@@ -643,7 +636,7 @@ def test_checkpoint_form_is_shared_by_stages_1_to_3_and_refused_across_stage_0(m
   s1, _ = _run(dp1, dp1.init(make_params()), make_batches(1))
   full = dp1.state_for_checkpoint(s1)
   dp3 = _dp_on(4, 3)
-  _assert_bits_equal(dp3.state_for_checkpoint(dp3.state_from_checkpoint(full)), full)
+  assert_bit_identical(dp3.state_for_checkpoint(dp3.state_from_checkpoint(full)), full)
   dp0 = _dp_on(4, 0)
   with pytest.raises(ValueError, match=r"opt_state leaf .*w1.* is float32\[4000\]; this "
                                        r"DataParallel expects float32\[32, 125\]"):
@@ -675,10 +668,10 @@ def test_fp8_state_round_trips_through_the_full_form():
                               fp8_state=True)
   state = dp.init(_host(params), _host(fp8_state))
   full = dp.state_for_checkpoint(state)
-  _assert_bits_equal(full.model_state, state.fp8_state)
+  assert_bit_identical(full.model_state, state.fp8_state)
   back = dp.state_from_checkpoint(full)
-  _assert_bits_equal((back.params, back.opt_state, back.model_state),
-                     (state.params, state.opt_state, state.model_state))
+  assert_bit_identical((back.params, back.opt_state, back.model_state),
+                       (state.params, state.opt_state, state.model_state))
   with pytest.raises(ValueError, match="holds no arrays for a DataParallel built with "
                                        "fp8_state=True"):
     dp.state_from_checkpoint(full._replace(model_state={}))
@@ -694,8 +687,8 @@ def test_step_takes_host_arrays(mesh):
   ref, ref_metrics = dp.step(state, dp.shard_batch(batch))
   for given in (batch, {"x": jnp.asarray(batch["x"]), "y": batch["y"]}):
     got, metrics = dp.step(state, given)
-    _assert_bits_equal((got.params, got.opt_state, metrics),
-                       (ref.params, ref.opt_state, ref_metrics))
+    assert_bit_identical((got.params, got.opt_state, metrics),
+                         (ref.params, ref.opt_state, ref_metrics))
   with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 32\); accepted: a leading "
                                        r"\(batch\) axis divisible by the 8 devices"):
     dp.step(state, {"x": batch["x"][:12], "y": batch["y"][:12]})
@@ -757,14 +750,14 @@ def test_readme_block_with_dropout_trains_and_round_trips_a_checkpoint(mesh, tmp
   full = dp.state_for_checkpoint(state)
   mp.checkpoint.save(tmp_path, 3, full, recipe=recipe)
   r = mp.checkpoint.restore(tmp_path, dp.state_for_checkpoint(dp.init(params, rest)))
-  _assert_bits_equal(_keys_as_data(r.state), _keys_as_data(full))
+  assert_bit_identical(r.state, full)
   assert r.state.model_state["drop"]["rngs"]["key"][...].dtype == rest["drop"]["rngs"][
       "key"][...].dtype
   resumed = dp.state_from_checkpoint(r.state)
   a, metrics_a = dp.step(state, tokens)
   b, metrics_b = dp.step(resumed, tokens)
-  _assert_bits_equal(_keys_as_data((a.params, a.opt_state, a.model_state, metrics_a)),
-                     _keys_as_data((b.params, b.opt_state, b.model_state, metrics_b)))
+  assert_bit_identical((a.params, a.opt_state, a.model_state, metrics_a),
+                       (b.params, b.opt_state, b.model_state, metrics_b))
   # A key among the params is named, with where it belongs (not numpy's TypeError).
   plain = parallel.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), mesh)
   with pytest.raises(ValueError, match=r"dtype key<fry>; .* keep integer and PRNG-key "

@@ -19,6 +19,8 @@ from precision.parallel._layout import LeafLayout, flatten_pad, own_shard, unfla
 from precision.rounding import FusedAdamW
 from precision.rounding import leaf_seed
 from precision.rounding import stochastic_round
+from _asserts import assert_bit_identical
+from _asserts import bits
 from _parallel_worker import LR, loss_fn, make_batches, make_params
 
 N = 8
@@ -31,17 +33,6 @@ SR_RECIPES = {
                                 rounding="stochastic"),
 }
 SHAPES = {"a": (5, 7), "b": (13,)}  # 35 and 13 elements: neither divides 8
-
-
-def bits(a) -> np.ndarray:
-  """The raw bit patterns (-0.0 != +0.0, NaN payloads compared)."""
-  a = np.asarray(a)
-  return a.view(f"u{a.dtype.itemsize}")
-
-
-def assert_bits_equal(got, want, what=""):
-  assert np.asarray(got).dtype == np.asarray(want).dtype, what
-  np.testing.assert_array_equal(bits(got), bits(want), err_msg=what)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +54,7 @@ def test_slice_with_offset_matches_whole(x_full, impl, dtype):
   full = stochastic_round(x_full, dtype, key=11, step=4, impl="xla")
   for a, b in ((0, 1000), (1000, 2500), (2500, 3000), (7, 1031)):
     part = stochastic_round(x_full[a:b], dtype, key=11, step=4, impl=impl, index_offset=a)
-    assert_bits_equal(part, full[a:b], f"{impl} {dtype} [{a}:{b})")
+    assert_bit_identical(part, full[a:b], f"{impl} {dtype} [{a}:{b})")
   # Without the offset a slice gets other bits (else the test above could not fail).
   part0 = stochastic_round(x_full[1000:2500], dtype, key=11, step=4, impl=impl)
   assert (bits(part0) != bits(full[1000:2500])).any()
@@ -77,7 +68,7 @@ def test_traced_offset_one_compile(x_full, impl):
   full = stochastic_round(x_full, jnp.bfloat16, key=11, step=4, impl="xla")
   for r in range(N):
     got = f(x_full[r * k:(r + 1) * k], jnp.uint32(r * k))
-    assert_bits_equal(got, full[r * k:(r + 1) * k], f"{impl} shard {r}")
+    assert_bit_identical(got, full[r * k:(r + 1) * k], f"{impl} shard {r}")
   f(x_full[:k], jnp.int32(5))  # an int32 offset (axis_index's dtype) is accepted too
   assert f._cache_size() == 2  # one trace per offset dtype, not one per offset value
 
@@ -86,13 +77,13 @@ def test_row_slice_of_2d_and_uint32_wrap(x_full):
   x2 = x_full.reshape(60, 50)
   full = stochastic_round(x2, jnp.bfloat16, key=2, step=9)
   got = stochastic_round(x2[12:31], jnp.bfloat16, key=2, step=9, index_offset=12 * 50)
-  assert_bits_equal(got, full[12:31])
+  assert_bit_identical(got, full[12:31])
   # Counters are uint32: offset 2**32 - 5 makes element 5 use index 0.
   for impl in ("xla", "pallas"):
     wrapped = stochastic_round(x_full[:20], jnp.bfloat16, key=2, step=9, impl=impl,
                                index_offset=2 ** 32 - 5)
     plain = stochastic_round(x_full[5:20], jnp.bfloat16, key=2, step=9, impl=impl)
-    assert_bits_equal(wrapped[5:], plain, impl)
+    assert_bit_identical(wrapped[5:], plain, impl)
 
 
 @pytest.mark.parametrize("bad", (-1, 2 ** 32, 1.5, np.zeros((2,), np.uint32),
@@ -169,7 +160,7 @@ def _assert_same(full, gathered):
       assert g.shape == (lay.padded_size,), name
       g = np.asarray(unflatten(jnp.asarray(g), lay))
       compared += 1
-    assert_bits_equal(g, f, name)
+    assert_bit_identical(g, f, name)
   assert compared >= 4  # at least the params and one per-element state leaf per param
 
 
@@ -209,8 +200,36 @@ def test_sharded_fused_adamw_rounds_with_global_index(mesh, impl):
     want = stochastic_round(master, jnp.bfloat16, key=leaf_seed(SEED, i), step=STEPS - 1,
                             impl="xla")
     got = unflatten(new_params[k], layouts[k])
-    assert_bits_equal(got, want, k)
+    assert_bit_identical(got, want, k)
     assert (bits(got) != bits(params[k])).any(), k
+
+
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+def test_sharded_fused_recipe_rounds_like_the_unfused_recipe(mesh, impl):
+  """A fused recipe's optimizer (build_optimizer(..., axis_name="data") around
+  fused_adamw) on ZeRO shards: the same params, moments and guard counters, bit for bit,
+  as bf16_sr around optax.adamw on the same shards, and (params) as bf16_sr on whole
+  leaves on one device."""
+  params, grads, layouts = _problem()
+  mask = {k: len(s) >= 2 for k, s in SHAPES.items()}  # flat shards: the rule spelled out
+  fused_r = mp.get_recipe("bf16_sr").replace(name="bf16_sr_fused", fused=True)
+  fused = optim.build_optimizer(
+      fused_r, optim.fused_adamw(1e-3, weight_decay=0.1, mask=mask, impl=impl), seed=SEED,
+      axis_name="data")
+  adamw = optax.adamw(1e-3, weight_decay=0.1, mask=mask)
+  unfused = optim.build_optimizer("bf16_sr", adamw, seed=SEED, axis_name="data")
+  p_f, s_f = _sharded(fused, params, grads, layouts, _optax_apply, mesh)
+  p_u, s_u = _sharded(unfused, params, grads, layouts, _optax_apply, mesh)
+  assert_bit_identical(p_f, p_u)
+  state = optim._query.find_state(s_f, mp.rounding.FusedAdamWState)
+  adam = optim._query.find_state(s_u, optax.ScaleByAdamState)
+  assert_bit_identical((state.mu, state.nu), (adam.mu, adam.nu))
+  assert_bit_identical(optim.optimizer_metrics(s_f)["skipped_steps"],
+                       optim.optimizer_metrics(s_u)["skipped_steps"])
+  full, _ = _single_device(optim.build_optimizer("bf16_sr", adamw, seed=SEED), params,
+                           grads, jax.jit(_optax_apply, static_argnums=0))
+  for k in SHAPES:
+    assert_bit_identical(unflatten(p_f[k], layouts[k]), full[k], k)
 
 
 # --- end to end: data_parallel -----------------------------------------------------------
@@ -239,4 +258,24 @@ def test_data_parallel_sr_same_bits_in_every_stage(mesh):
     assert out[0][k].dtype == jnp.bfloat16
     assert (bits(out[0][k]) != bits(start[k])).any(), k
     for stage in (1, 3):
-      assert_bits_equal(out[stage][k], out[0][k], f"stage {stage} {k}")
+      assert_bit_identical(out[stage][k], out[0][k], f"stage {stage} {k}")
+
+
+def test_data_parallel_fused_recipe_same_bits_as_bf16_sr_in_every_stage(mesh):
+  """data_parallel with a fused recipe (fused_adamw as the inner optimizer), 3 steps:
+  stages 0, 1 and 3 end bit-identical to each other and to bf16_sr around optax.adamw."""
+  mask = jax.tree.map(lambda a: np.ndim(a) >= 2, make_params())  # explicit for shards
+  fused_r = mp.get_recipe("bf16_sr").replace(name="bf16_sr_fused", fused=True)
+
+  def train(recipe, inner, stage):
+    dp = parallel.data_parallel(loss_fn, inner, mesh, zero_stage=stage, recipe=recipe,
+                                seed=7)
+    state = dp.init(make_params())
+    for batch in make_batches(STEPS):
+      state, _ = dp.step(state, dp.shard_batch(batch))
+    return jax.tree.map(np.asarray, dp.params(state))
+
+  want = train("bf16_sr", optax.adamw(LR, weight_decay=0.1, mask=mask), 0)
+  for stage in (0, 1, 3):
+    got = train(fused_r, optim.fused_adamw(LR, weight_decay=0.1, mask=mask), stage)
+    assert_bit_identical(got, want, f"stage {stage}")

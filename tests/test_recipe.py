@@ -279,3 +279,24 @@ def test_from_dict_fuzz_over_mutated_presets():
     outcomes["accepted"] += 1
   assert outcomes["accepted"] + outcomes["refused"] == 2400
   assert outcomes["accepted"] >= 100 and outcomes["refused"] >= 1500, outcomes
+
+
+def test_fused_field_round_trip_and_validation():
+  """`fused` is written only when True (every other recipe's dict is unchanged), read as
+  False when absent, and only accepted where the fused AdamW kernel computes the update."""
+  fused = mp.get_recipe("bf16_sr").replace(name="bf16_sr_fused", fused=True)
+  d = json.loads(json.dumps(fused.to_dict()))
+  assert d["fused"] is True and mp.Recipe.from_dict(d) == fused
+  assert "fused" not in mp.get_recipe("bf16_sr").to_dict()
+  del d["fused"]
+  assert mp.Recipe.from_dict(d).fused is False
+  d["fused"] = 1
+  with pytest.raises(ValueError, match=r"fused=1; accepted: true or false"):
+    mp.Recipe.from_dict(d)
+  master = mp.Recipe("m", "p=bf16,c=bf16,o=f32", master_dtype="f32", rounding="stochastic",
+                     fused=True)
+  assert master.fused and "fused AdamW" in master.description
+  for name, match in [("bf16_master", "rounding='nearest'"), ("fp32", "rounding='nearest'"),
+                      ("pure_bf16", "mu_dtype=bf16, nu_dtype=bf16")]:
+    with pytest.raises(ValueError, match=rf"fused=True with .*{match}.*accepted: fused=True"):
+      mp.get_recipe(name).replace(fused=True)

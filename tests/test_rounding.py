@@ -15,6 +15,8 @@ from precision.rounding import leaf_seed
 from precision.rounding import stochastic_round
 from precision.rounding import stochastic_round_pallas
 from precision.rounding import stochastic_round_reference
+from _asserts import assert_bit_identical
+from _asserts import bits
 
 TARGETS = ("bf16", "f16", "e4m3", "e5m2")
 # (target, input dtype): f32 for every target, bf16 for the fp8 targets.
@@ -27,11 +29,6 @@ _ref = jax.jit(stochastic_round_reference, static_argnums=1)
 
 def _uint(fi):
   return np.uint8 if fi.bits == 8 else np.uint16
-
-
-def _bits(a):
-  a = np.asarray(a)
-  return a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint16)
 
 
 def _values(fi, in_dtype, n_sub=100, n_norm=200, seed=0):
@@ -97,10 +94,10 @@ def test_representable_values_unchanged(target):
   finite = every[np.isfinite(every.astype(np.float32))]
   x = jnp.asarray(finite.astype(np.float32))
   out = _ref(x, target, 3, 1)
-  np.testing.assert_array_equal(_bits(out), finite.view(u))  # signed zeros included
+  np.testing.assert_array_equal(bits(out), finite.view(u))  # signed zeros included
   if fi.bits == 8:  # exactly representable bf16 inputs too
     out = _ref(x.astype(jnp.bfloat16), target, 3, 1)
-    np.testing.assert_array_equal(_bits(out), finite.view(u))
+    np.testing.assert_array_equal(bits(out), finite.view(u))
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -139,7 +136,7 @@ def test_nan_inf_overflow_follow_the_targets_own_cast(target):
   out = np.asarray(_ref(jnp.asarray(x), target, 9, 2))
   with np.errstate(over="ignore"):  # ml_dtypes warns when its cast overflows to inf
     expect = x.astype(fi.dtype)
-  np.testing.assert_array_equal(_bits(out), expect.view(_uint(fi)))
+  np.testing.assert_array_equal(bits(out), expect.view(_uint(fi)))
   o = out.astype(np.float32)[: big.size]
   if fi.has_inf:
     assert np.isinf(o[big == np.inf]).all() and (o[big == np.inf] > 0).all()
@@ -185,7 +182,7 @@ def test_pallas_matches_reference_odd_size(target, in_dtype):
   got = stochastic_round_pallas(x, target, 1234, 77, block_size=512, interpret=True)
   ref = _ref(x, target, 1234, 77)
   assert got.dtype == ref.dtype == fi.dtype and got.shape == x.shape
-  np.testing.assert_array_equal(_bits(got), _bits(ref))
+  assert_bit_identical(got, ref)
 
 
 @pytest.mark.parametrize("target", ["bf16", "e4m3"])
@@ -197,7 +194,7 @@ def test_pallas_matches_reference_non_contiguous(target):
     got = stochastic_round_pallas(x, target, 5, 6, block_size=256, interpret=True)
     ref = _ref(x, target, 5, 6)
     assert got.shape == x.shape
-    np.testing.assert_array_equal(_bits(got), _bits(ref))
+    assert_bit_identical(got, ref)
 
 
 def test_pallas_matches_reference_nd_traced_step_and_key():
@@ -212,14 +209,14 @@ def test_pallas_matches_reference_nd_traced_step_and_key():
 
   for step in (0, 2 ** 31 + 7):
     got, ref = both(x, jnp.uint32(step))
-    np.testing.assert_array_equal(_bits(got), _bits(ref))
+    assert_bit_identical(got, ref)
 
 
 def test_auto_is_xla_on_cpu_and_api_errors():
   x = jnp.linspace(-3, 3, 1001, dtype=jnp.float32)
   assert jax.default_backend() == "cpu"
   auto = jax.jit(lambda x: stochastic_round(x, jnp.bfloat16, 0))(x)
-  np.testing.assert_array_equal(_bits(auto), _bits(_ref(x, "bf16", 0)))
+  assert_bit_identical(auto, _ref(x, "bf16", 0))
   assert mp.stochastic_round is stochastic_round
   with pytest.raises(ValueError, match="impl"):
     stochastic_round(x, "bf16", 0, impl="cuda")
@@ -303,23 +300,23 @@ def test_counters_accept_the_uint32_range(impl):
   # Python ints up to 2**32 - 1 (2**31 used to raise OverflowError), equal to the uint32
   # array of the same value; signed and unsigned integer arrays alike.
   for step in (2 ** 31, top):
-    np.testing.assert_array_equal(_bits(sr(key=3, step=step)),
-                                  _bits(sr(key=3, step=jnp.uint32(step))))
-  np.testing.assert_array_equal(_bits(sr(key=top, step=0)),
-                                _bits(sr(key=jnp.uint32(top), step=0)))
-  np.testing.assert_array_equal(_bits(sr(key=jnp.int32(5), step=np.int64(9))),
-                                _bits(sr(key=5, step=9)))
-  np.testing.assert_array_equal(_bits(sr(key=np.uint8(5), step=np.array(9, np.int16))),
-                                _bits(sr(key=5, step=9)))
+    np.testing.assert_array_equal(bits(sr(key=3, step=step)),
+                                  bits(sr(key=3, step=jnp.uint32(step))))
+  np.testing.assert_array_equal(bits(sr(key=top, step=0)),
+                                bits(sr(key=jnp.uint32(top), step=0)))
+  np.testing.assert_array_equal(bits(sr(key=jnp.int32(5), step=np.int64(9))),
+                                bits(sr(key=5, step=9)))
+  np.testing.assert_array_equal(bits(sr(key=np.uint8(5), step=np.array(9, np.int16))),
+                                bits(sr(key=5, step=9)))
   # Distinct counters give distinct bits (so the equalities above are not vacuous).
-  assert (_bits(sr(key=3, step=2 ** 31)) != _bits(sr(key=3, step=0))).any()
-  assert (_bits(sr(key=top, step=0)) != _bits(sr(key=0, step=0))).any()
+  assert (bits(sr(key=3, step=2 ** 31)) != bits(sr(key=3, step=0))).any()
+  assert (bits(sr(key=top, step=0)) != bits(sr(key=0, step=0))).any()
   # Traced values cannot be checked: they are taken mod 2**32, as documented.
   traced = jax.jit(lambda k, s: sr(key=k, step=s))(jnp.int32(-1), jnp.int32(-2))
-  np.testing.assert_array_equal(_bits(traced), _bits(sr(key=top, step=top - 1)))
+  assert_bit_identical(traced, sr(key=top, step=top - 1))
   # jax.random keys, typed and raw, still work.
   k = jax.random.key(4)
-  np.testing.assert_array_equal(_bits(sr(key=k)), _bits(sr(key=jax.random.key_data(k))))
+  np.testing.assert_array_equal(bits(sr(key=k)), bits(sr(key=jax.random.key_data(k))))
 
 
 @pytest.mark.parametrize("impl", ("xla", "pallas", "auto"))

@@ -16,12 +16,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import precision as mp
 from precision.audit import lower
 import _zoo
+from _asserts import assert_bit_identical
 
 MIXED = "p=f32,c=bf16,o=f32"
 
@@ -45,19 +45,12 @@ def value_and_grads(name, recipe):
   return loss, aux, grads
 
 
-def _bitwise_equal(a, b) -> bool:
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return len(la) == len(lb) and all(
-      x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-      for x, y in zip(la, lb))
-
-
 @pytest.mark.parametrize("name", list(_zoo.CASES))
 def test_fp32_recipe_bit_identical_to_plain_model(name):
   plain, lib = value_and_grads(name, None), value_and_grads(name, "fp32")
-  assert np.array_equal(np.asarray(plain[0]), np.asarray(lib[0])), (plain[0], lib[0])
-  assert _bitwise_equal(plain[2], lib[2])   # every gradient
-  assert _bitwise_equal(plain[1], lib[1])   # updated batch_stats (or None)
+  assert_bit_identical(lib[0], plain[0], "loss")
+  assert_bit_identical(lib[2], plain[2], "gradients")
+  assert_bit_identical(lib[1], plain[1], "updated batch_stats (or None)")
 
 
 @pytest.mark.parametrize("name", list(_zoo.CASES))

@@ -32,7 +32,7 @@ import numpy as np
 
 from precision import _fp32_ops
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
-from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, Recipe, get_recipe
+from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, PRESETS, Recipe, get_recipe
 from precision._autocast import _fp8
 from precision._autocast import _overrides
 from precision._autocast import _interpret
@@ -106,7 +106,8 @@ class AutocastSpec:
         `fp8_state=True` (its amax histories are state); `fp8_state=True` without a recipe
         with fp8 GEMMs.
     """
-    from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
+    # In the function: _plan imports this module (a Plan holds an AutocastSpec).
+    from precision import _plan  # pylint: disable=g-import-not-at-top
     if not isinstance(fp8_state, bool):
       raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
     if isinstance(policy, _plan.Plan):
@@ -114,7 +115,7 @@ class AutocastSpec:
       return _with_fp8(plan.autocast_spec, plan.recipe, fp8_state, policy)
     recipe, given = None, policy
     if isinstance(policy, Recipe) or (isinstance(policy, str) and "=" not in policy
-                                      and policy in _recipe_names()):
+                                      and policy in PRESETS):
       recipe = get_recipe(policy)
       policy = recipe.policy
       fp32_ops = recipe.fp32_ops if fp32_ops is None else fp32_ops
@@ -125,7 +126,7 @@ class AutocastSpec:
         raise ValueError(
             f"{policy!r} is neither a dtype nor a preset recipe; accepted: a policy string "
             f"such as 'p=f32,c=bf16,o=f32', a dtype ({e}), or a preset: "
-            f"{', '.join(_recipe_names())}") from e
+            f"{', '.join(PRESETS)}") from e
     spec = cls.build(policy, overrides, fp32_ops, module_base=module_base,
                      recompute_f32=recompute_f32, recipe=recipe)
     return _with_fp8(spec, recipe, fp8_state, given)
@@ -159,7 +160,7 @@ def refuse_fp8_recipe(policy: Any, where: str) -> None:
   from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
   recipe = policy.recipe if isinstance(policy, _plan.Plan) else (
       get_recipe(policy) if isinstance(policy, Recipe) or (
-          isinstance(policy, str) and "=" not in policy and policy in _recipe_names())
+          isinstance(policy, str) and "=" not in policy and policy in PRESETS)
       else None)
   if recipe is not None and recipe.fp8 is not None:
     raise ValueError(
@@ -194,11 +195,6 @@ def _with_fp8(spec: AutocastSpec, recipe: Recipe | None, fp8_state: bool,
   if fp8 is None and not fp8_state:
     return spec
   return dataclasses.replace(spec, fp8=fp8, fp8_state=fp8_state)
-
-
-def _recipe_names():
-  from precision._recipe import PRESETS  # pylint: disable=g-import-not-at-top
-  return PRESETS
 
 
 # ----------------------------------------------------------------------------- tracing

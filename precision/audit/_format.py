@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import collections
 
-from precision.audit._report import _short
+from precision._policy import dtype_name
+
+
+def short_dtype(name: str) -> str:
+  """A dtype name as the reports print it ("bf16", "f32"); a name that is no dtype as is."""
+  try:
+    return dtype_name(name)
+  except (ValueError, KeyError, TypeError):
+    return name
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -18,8 +26,9 @@ def gemm_table(report, max_rows: int = 40) -> str:
   head = f"{'dir':<4} {'lhs x rhs -> acc -> out':<28} {'FLOPs':>9}  {'scope':<22} shape / source"
   lines = [f"GEMMs of {report.name}: {report.num_gemms} ({_si(report.flops, 'FLOP')})", head]
   for g in report.gemms[:max_rows]:
-    sig = (f"{_short(g.lhs_dtype)} x {_short(g.rhs_dtype)} -> {_short(g.acc_dtype)} -> "
-           f"{_short(g.out_dtype)}") + (" fp8" if g.is_fp8 else "")
+    sig = (f"{short_dtype(g.lhs_dtype)} x {short_dtype(g.rhs_dtype)} -> "
+           f"{short_dtype(g.acc_dtype)} -> {short_dtype(g.out_dtype)}") + (
+               " fp8" if g.is_fp8 else "")
     times = f" x{g.count}" if g.count > 1 else ""
     lines.append(f"{g.direction:<4} {sig:<28} {_si(g.flops):>9}  {g.scope[-22:]:<22} "
                  f"{g.shape}{times}  {g.location}")
@@ -45,11 +54,11 @@ def precision_map(report) -> str:
     rows.append(("GEMM fp8", f"{sum(g.count for g in fp8)} GEMMs with float8 operands"))
   for op, dtypes in sorted(report.island_dtypes().items()):
     rows.append((op, "/".join(sorted(dtypes))))
-  red = collections.Counter((o.primitive, _short(o.dtype)) for o in report.ops
+  red = collections.Counter((o.primitive, short_dtype(o.dtype)) for o in report.ops
                             if o.kind != "transcendental" for _ in range(o.count))
   if red:
     rows.append(("reductions", _counter_str(red, lambda k: f"{k[0]} {k[1]}")))
-  tr = collections.Counter((o.primitive, _short(o.dtype)) for o in report.ops
+  tr = collections.Counter((o.primitive, short_dtype(o.dtype)) for o in report.ops
                            if o.kind == "transcendental" for _ in range(o.count))
   if tr:
     rows.append(("exp/log/...", _counter_str(tr, lambda k: f"{k[0]} {k[1]}")))
@@ -57,7 +66,7 @@ def precision_map(report) -> str:
   if conv:
     rows.append(("converts", _counter_str(conv, lambda k: f"{k[0]}->{k[1]}")))
   mem = sorted(report.bytes_by_dtype.items(), key=lambda kv: -kv[1])
-  rows.append(("intermediates", ", ".join(f"{_short(k)} {_si(v, 'B')}" for k, v in mem)))
+  rows.append(("intermediates", ", ".join(f"{short_dtype(k)} {_si(v, 'B')}" for k, v in mem)))
   if report.has_while:
     rows.append(("note", "a while loop was counted once (unknown trip count)"))
   width = max(len(r[0]) for r in rows)

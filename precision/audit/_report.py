@@ -9,17 +9,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from precision._policy import Policy, dtype_name
+from precision import _plan
+from precision._policy import Policy
+from precision.audit import _format
+from precision.audit._format import short_dtype as _short
 from precision.audit._walk import ConvertRecord, GemmRecord, OpRecord
 
 _F32 = np.dtype(np.float32)
-
-
-def _short(name: str) -> str:
-  try:
-    return dtype_name(name)
-  except (ValueError, KeyError, TypeError):
-    return name
 
 
 def _below_f32(name: str) -> bool:
@@ -98,7 +94,6 @@ class PrecisionReport:
   def violations(self, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None) -> list[str]:
     """The list `check` raises with (empty when the function follows the policy)."""
-    from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
     spec = _plan.spec_for(policy, overrides)
     policy, rules = spec.policy, [(r.key, r.policy) for r in spec.rules]
     allowed_anywhere = {np.dtype(p.compute_dtype).name for k, p in rules if not isinstance(k, str)}
@@ -148,12 +143,10 @@ class PrecisionReport:
 
   # --------------------------------------------------------------------- printing
   def table(self, max_rows: int = 40) -> str:
-    from precision.audit._format import gemm_table
-    return gemm_table(self, max_rows)
+    return _format.gemm_table(self, max_rows)
 
   def precision_map(self) -> str:
-    from precision.audit._format import precision_map
-    return precision_map(self)
+    return _format.precision_map(self)
 
   def __str__(self) -> str:
     return self.table() + "\n\n" + self.precision_map()

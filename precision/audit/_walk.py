@@ -11,6 +11,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from precision._policy import dtype_name
+
 GEMM_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 # Reductions that add (or multiply) many terms: rounding error grows with their length.
 ACCUMULATING = ("reduce_sum", "reduce_prod", "reduce", "cumsum", "cumprod", "cumlogsumexp",
@@ -121,7 +123,6 @@ def _dtype(aval) -> str:
 
 
 def _short(aval) -> str:
-  from precision._policy import dtype_name
   try:
     name = dtype_name(aval.dtype)
   except (ValueError, KeyError):

@@ -3,7 +3,8 @@
 Master weights (`master_weights`, `remainder_master_weights`), loss scaling
 (`loss_scaling` with NoOp/Static/DynamicLossScale or any `LossScale`; `all_finite`
 and `select_tree` as in jmp), non-finite skipping (`skip_nonfinite`),
-updates straight into 16-bit params (`stochastic_updates`, `kahan_updates`, `f32_update`),
+updates straight into 16-bit params (`stochastic_updates`, `kahan_updates`, `f32_update`,
+and `fused_adamw`, the fused AdamW + stochastic-rounding kernel of a ``fused=True`` recipe),
 moment dtypes (`moment_dtypes`), f32 global norm and clipping, and `build_optimizer`, which
 assembles all of it from a Recipe. Apply updates with `apply_updates` (exact rounding under
 strict promotion).
@@ -26,6 +27,7 @@ from precision.optim._clip import global_norm
 from precision.optim._direct import StochasticState
 from precision.optim._direct import f32_update
 from precision.optim._direct import stochastic_updates
+from precision.optim._fused import fused_adamw
 from precision.optim._guard import GuardState
 from precision.optim._guard import NonFiniteStreakError
 from precision.optim._guard import UnscaledGradientsWarning
@@ -74,6 +76,7 @@ __all__ = [
     "check_nonfinite_streak",
     "clip_by_global_norm",
     "f32_update",
+    "fused_adamw",
     "global_norm",
     "kahan_updates",
     "loss_scale_of",

@@ -13,6 +13,7 @@ from precision._plan import Plan
 from precision._recipe import Recipe
 from precision._plan import recipe_of
 from precision.optim import _direct
+from precision.optim import _fused
 from precision.optim import _guard
 from precision.optim import _kahan
 from precision.optim import _loss_scale
@@ -37,12 +38,16 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
        (`f32_update`); f32 params take `inner`'s updates as they are;
     3. the guard: `loss_scaling` with the recipe's loss scale, or `skip_nonfinite` for
        unscaled recipes; it keeps the counters and the f32 grad norm.
-  On the fp32 recipe the result is bit-identical to `inner` on finite grads.
+  On the fp32 recipe the result is bit-identical to `inner` on finite grads. A recipe
+  with ``fused=True`` takes ``inner=fused_adamw(...)``, which replaces steps 1 and 2 (its
+  moments are f32; it keeps an f32 master when the recipe has one) and gets `seed` and
+  `axis_name` from here; the guard wraps it as any other.
 
   Args:
     recipe: a Recipe, a preset name or a Plan (`precision.bind`; `plan.optimizer(inner)`
       is the same call).
-    inner: e.g. ``optax.adamw(3e-4)``.
+    inner: e.g. ``optax.adamw(3e-4)``; for a fused recipe
+      ``precision.optim.fused_adamw(3e-4)``.
     seed: seed of stochastic rounding.
     axis_name: set when `update` runs inside shard_map/pmap on shards of the grads
       (ZeRO): the all-finite check and grad norm are reduced over this axis, and
@@ -64,6 +69,21 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
     >>> opt_state = tx.init(params)
   """
   recipe = recipe_of(recipe)
+  if recipe.fused != _fused.is_fused_adamw(inner):
+    if recipe.fused:
+      raise ValueError(
+          f"recipe {recipe.name!r} has fused=True: its update is the fused AdamW kernel, "
+          f"whose hyperparameters come from inner; got inner={inner!r}; accepted: "
+          "inner=precision.optim.fused_adamw(learning_rate, ...)")
+    raise ValueError(
+        f"inner=fused_adamw(...) with recipe {recipe.name!r} (fused=False): the fused "
+        "kernel does its own rounding; accepted: a recipe with fused=True (e.g. "
+        "get_recipe('bf16_sr').replace(name=..., fused=True)), or an optax optimizer "
+        "such as optax.adamw for this recipe")
+  if recipe.fused:
+    tx = _fused.bind_to_recipe(inner, recipe.name, recipe.master_dtype is not None, seed,
+                               axis_name)
+    return _guarded(recipe, tx, axis_name)
   tx = inner
   if recipe.mu_dtype != _F32 or recipe.nu_dtype != _F32:
     tx = _moments.moment_dtypes(tx, recipe.mu_dtype, recipe.nu_dtype)
@@ -77,6 +97,12 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
     tx = _kahan.kahan_updates(tx)
   elif param_dtype != _F32:
     tx = _direct.f32_update(tx)
+  return _guarded(recipe, tx, axis_name)
+
+
+def _guarded(recipe: Recipe, tx: optax.GradientTransformation, axis_name: str | None
+             ) -> optax.GradientTransformation:
+  """Step 3 of `build_optimizer`: the recipe's loss scaling or non-finite skipping."""
   if recipe.loss_scale.kind == "none":
     return _guard.skip_nonfinite(tx, axis_name)
   return _guard.loss_scaling(tx, _loss_scale.from_config(recipe.loss_scale), axis_name)

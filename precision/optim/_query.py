@@ -11,15 +11,8 @@ from precision.optim import _guard
 from precision.optim import _master
 from precision.optim import _remainder
 from precision.optim import _tree
-
-
-def find_state(opt_state: Any, kind: type) -> Any:
-  """The first node of type `kind` in `opt_state` (depth first, leftmost), or None.
-
-  The search stops at a match, so of nested matches the outermost is returned.
-  """
-  nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind))
-  return next((n for n in nodes if isinstance(n, kind)), None)
+from precision.optim._find import find_state  # here too: _guard calls _query.find_state
+from precision.rounding import FusedAdamWState
 
 
 def loss_scale_of(opt_state: Any) -> jax.Array:
@@ -85,6 +78,9 @@ def master_params(opt_state: Any, params: Any) -> Any:
   master = find_state(opt_state, _master.MasterState)
   if master is not None:
     return master.master
+  fused = find_state(opt_state, FusedAdamWState)
+  if fused is not None and fused.master is not None:
+    return fused.master
   rem = find_state(opt_state, _remainder.RemainderState)
   if rem is not None:
     return jax.tree.map(_remainder.merge_master, params, rem.remainder)

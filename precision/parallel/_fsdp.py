@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision._autocast import _api
 from precision.parallel import _collectives as coll
 from precision.parallel._layout import LeafLayout, flatten_pad, unflatten
 
@@ -200,7 +201,6 @@ def _layer_vjp(fn: Callable[..., Any]):
   the same policy in its forward and in its backward re-computation: autocast leaves
   custom-VJP bodies as written, so the policy is applied here.
   """
-  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
   spec = _api.active_spec()
   if spec is not None:
     plain = fn

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision._autocast import _api
 from precision.parallel import _collectives as coll
 from precision.parallel import _fsdp
 from precision.parallel._layout import ParamLayout, flatten_pad, own_shard, unflatten
@@ -115,7 +116,6 @@ def _policy_loss_fn(cfg: StepConfig):
   dtypes: the loss as loss_fn computes it, fp8 state in its own dtype)."""
   if cfg.autocast is None:
     return cfg.loss_fn
-  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
   # An override that matches no scope raises, as under autocast; except with layers
   # gathered one by one, whose GEMMs the custom VJPs of _fsdp trace apart.
   check = cfg.gather != "layer"

@@ -1,0 +1,165 @@
+"""The import graph of precision/, read from the source (nothing is imported).
+
+Module-level imports (run when a module is imported: the module body, class bodies,
+top-level if/try blocks) must form no cycle. An import inside a function runs when the
+function is called; one that closes a circle hides it from the import system but not
+from the reader, so every circle closed that way is listed in KNOWN_CYCLES with the
+reason it stays, and a new one fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import precision
+
+ROOT = pathlib.Path(precision.__file__).parent
+
+# Each strongly connected set of modules of the whole graph (function-level imports
+# included) that is allowed, and why it stays.
+KNOWN_CYCLES = {
+    frozenset({"precision.optim._guard", "precision.optim._query"}):
+        "_guard.check_nonfinite_streak imports _query in the function for find_state, and "
+        "_query reads GuardState; find_state now lives in precision.optim._find, and "
+        "opening the circle is _guard.py importing it from there (that file is edited "
+        "elsewhere)",
+    frozenset({"precision._plan", "precision._autocast._api", "precision.optim._build",
+               "precision.optim._ledger"}):
+        "a Plan holds an AutocastSpec and offers plan.optimizer / plan.memory_ledger, "
+        "while AutocastSpec.make, build_optimizer and memory_ledger each accept a Plan: "
+        "the Plan side imports them in the function",
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  mods = {}
+  for path in ROOT.rglob("*.py"):
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    mods[".".join(parts)] = path
+  return mods
+
+
+class _Imports(ast.NodeVisitor):
+  """(target module, module-level?, line) of each import of a precision module."""
+
+  def __init__(self, name: str, is_package: bool, mods: dict[str, pathlib.Path]):
+    self.package = name if is_package else name.rpartition(".")[0]
+    self.mods = mods
+    self.depth = 0
+    self.found: list[tuple[str, bool, int]] = []
+
+  def _function(self, node):
+    self.depth += 1
+    self.generic_visit(node)
+    self.depth -= 1
+
+  visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+  def visit_If(self, node):
+    test = node.test
+    if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+      for child in node.orelse:  # the TYPE_CHECKING branch never runs
+        self.visit(child)
+      return
+    self.generic_visit(node)
+
+  def _add(self, target: str, line: int):
+    if target == "precision" or target.startswith("precision."):
+      while target not in self.mods:  # a name inside a module: the module
+        target = target.rpartition(".")[0]
+      self.found.append((target, self.depth == 0, line))
+
+  def visit_Import(self, node):
+    for alias in node.names:
+      self._add(alias.name, node.lineno)
+
+  def visit_ImportFrom(self, node):
+    if node.level:
+      base = self.package.split(".")
+      base = base[:len(base) - node.level + 1]
+      module = ".".join(base + ([node.module] if node.module else []))
+    else:
+      module = node.module or ""
+    for alias in node.names:
+      sub = f"{module}.{alias.name}"  # `from package import submodule`
+      self._add(sub if sub in self.mods else module, node.lineno)
+
+
+def _edges() -> dict[str, list[tuple[str, bool, int]]]:
+  mods = _modules()
+  edges = {}
+  for name, path in mods.items():
+    visitor = _Imports(name, path.name == "__init__.py", mods)
+    visitor.visit(ast.parse(path.read_text(), str(path)))
+    edges[name] = [e for e in visitor.found if e[0] != name]
+  return edges
+
+
+def _cycles(edges, module_level_only: bool) -> list[frozenset[str]]:
+  """The strongly connected sets of more than one module (Tarjan)."""
+  graph = {m: sorted({t for t, top, _ in es if top or not module_level_only})
+           for m, es in edges.items()}
+  index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in graph.get(v, []):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = set()
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.add(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        out.append(frozenset(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def _describe(edges, component: frozenset[str]) -> str:
+  """The imports inside one strongly connected set, with where each one is."""
+  lines = [f"cycle among {', '.join(sorted(component))}:"]
+  for m in sorted(component):
+    for target, top, line in edges[m]:
+      if target in component:
+        lines.append(f"  {m} line {line} imports {target} "
+                     f"({'module level' if top else 'in a function'})")
+  return "\n".join(lines)
+
+
+def test_the_graph_sees_the_package():
+  edges = _edges()
+  assert len(edges) > 50 and "precision.optim._build" in edges
+  targets = {t for t, _, _ in edges["precision.optim._build"]}
+  assert {"precision._plan", "precision.optim._guard"} <= targets
+
+
+def test_no_import_cycle_at_module_level():
+  edges = _edges()
+  cycles = _cycles(edges, module_level_only=True)
+  assert not cycles, "\n".join(_describe(edges, c) for c in cycles)
+
+
+def test_function_level_import_cycles_are_the_known_ones():
+  edges = _edges()
+  cycles = set(_cycles(edges, module_level_only=False))
+  new = [c for c in cycles if c not in KNOWN_CYCLES]
+  assert not new, "new import cycles:\n" + "\n".join(_describe(edges, c) for c in new)
+  gone = [sorted(c) for c in KNOWN_CYCLES if c not in cycles]
+  assert not gone, f"cycles no longer there (remove them from KNOWN_CYCLES): {gone}"
