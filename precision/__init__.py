@@ -51,7 +51,7 @@ from precision.optim import StaticLossScale
 from precision.optim import all_finite
 from precision.optim import select_tree
 
-__version__ = "0.1.0"
+from precision._version import __version__  # noqa: E402
 
 __all__ = [
     "autocast",

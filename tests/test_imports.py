@@ -19,11 +19,6 @@ ROOT = pathlib.Path(precision.__file__).parent
 # Each strongly connected set of modules of the whole graph (function-level imports
 # included) that is allowed, and why it stays.
 KNOWN_CYCLES = {
-    frozenset({"precision.optim._guard", "precision.optim._query"}):
-        "_guard.check_nonfinite_streak imports _query in the function for find_state, and "
-        "_query reads GuardState; find_state now lives in precision.optim._find, and "
-        "opening the circle is _guard.py importing it from there (that file is edited "
-        "elsewhere)",
     frozenset({"precision._plan", "precision._autocast._api", "precision.optim._build",
                "precision.optim._ledger"}):
         "a Plan holds an AutocastSpec and offers plan.optimizer / plan.memory_ledger, "

@@ -28,14 +28,14 @@ import uuid
 from typing import Any
 
 from precision.checkpoint._errors import CheckpointFormatError
+from precision import _version
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def version() -> str:
   """This version of precision ("0.1.0")."""
-  import precision  # pylint: disable=g-import-not-at-top  (the package imports us)
-  return str(getattr(precision, "__version__", "unknown"))
+  return _version.__version__
 
 
 def stamp(body: dict, fmt: int) -> dict:

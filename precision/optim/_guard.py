@@ -37,6 +37,7 @@ from precision.optim import _clip
 from precision.optim import _loss_scale
 from precision.optim import _compat
 from precision.optim import _tree
+from precision.optim import _find
 
 
 class UnscaledGradientsWarning(UserWarning):
@@ -247,9 +248,7 @@ def check_nonfinite_streak(opt_state: Any, max_consecutive: int) -> int:
   """
   if int(max_consecutive) < 1:
     raise ValueError(f"max_consecutive={max_consecutive!r}; must be >= 1")
-  from precision.optim import _query  # pylint: disable=g-import-not-at-top
-
-  guard = _query.find_state(opt_state, GuardState)
+  guard = _find.find_state(opt_state, GuardState)
   if guard is None:
     raise ValueError("opt_state holds no GuardState; build the optimizer with "
                      "build_optimizer, loss_scaling or skip_nonfinite")
