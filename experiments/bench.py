@@ -96,7 +96,7 @@ def recipe_figures(model: str, batch: int, seq: int, recipes, repeats: int) -> d
     run, state, compiled = built[name]
     recipe = mp.get_recipe(name)
     n = int(sum(x.size for x in jax.tree.leaves(state.params)))
-    mem = trainlib.compiled_memory(compiled)
+    mem = mp.study.compiled_memory(compiled)
     ledger = mp.optim.memory_ledger(recipe)
     # Persistent state the step carries (its donated arguments): params + optimizer state.
     measured_persistent = _nbytes(state.params) + _nbytes(state.opt_state)

@@ -36,7 +36,6 @@ import precision as mp
 
 mp.enable_faithful_rounding()
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402

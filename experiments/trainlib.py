@@ -311,17 +311,6 @@ def fingerprint(state: ckpt_lib.TrainState) -> str:
   return h.hexdigest()
 
 
-def compiled_memory(compiled) -> dict[str, int]:
-  """Argument, output, alias and temporary bytes of a compiled step (XLA's analysis)."""
-  ma = compiled.memory_analysis()
-  if ma is None:
-    return {}
-  out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias",
-                                                              "temp")}
-  out["argument_plus_temp"] = out["argument"] + out["temp"]
-  return out
-
-
 def compile_step(run: Run, state: ckpt_lib.TrainState, tokens: np.ndarray):
   """The step compiled for `state`'s and `tokens`' shapes (AOT; call it like the step)."""
   return run.step_fn.lower(state.params, state.model_state, state.opt_state,
@@ -560,7 +549,7 @@ def _train(cfg: TrainConfig, corpus, ckpt) -> dict[str, Any]:
   t0 = time.perf_counter()
   compiled = compile_step(run, state, tokens0)
   compile_s = time.perf_counter() - t0
-  memory = compiled_memory(compiled)
+  memory = mp.study.compiled_memory(compiled)
   last = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
   history, val_curve, times = [], [], []
   if cfg.out and start > 0:

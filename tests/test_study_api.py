@@ -133,7 +133,7 @@ def test_aa_arm_and_time_to_target(tmp_path):
                                                            "better")
   seeds = [c.seed for c in study.make_config(["fp32"], 2, 12, aa=True).grid()
            if c.arm == "fp32-aa"]
-  assert seeds == [study._run.AA_SEED_OFFSET, study._run.AA_SEED_OFFSET + 1]
+  assert seeds == [study._config.AA_SEED_OFFSET, study._config.AA_SEED_OFFSET + 1]
   ttt = result.rows["bf16_mixed"]["time_to_target"]
   assert len(ttt["steps"]) == 2 and "verdict" in ttt
   assert "Time to target" in result.markdown and "fp32-aa" in result.markdown

@@ -21,13 +21,14 @@ Examples:
   >>> result.verdict("f16_mixed"), result.rows["f16_mixed"]["ci"]
 """
 
+from precision.study._cells import compiled_memory
 from precision.study._models import LinenModel
 from precision.study._report import Judging
 from precision.study._report import StudyResult
 from precision.study._report import comparable
-from precision.study._run import StudyConfig
-from precision.study._run import make_config
-from precision.study._run import parse_shard
+from precision.study._config import StudyConfig
+from precision.study._config import make_config
+from precision.study._config import parse_shard
 from precision.study._run import report_only
 from precision.study._run import run
 from precision.study._task import HELDOUT_SEED
@@ -42,6 +43,7 @@ __all__ = [
     "StudyResult",
     "Task",
     "comparable",
+    "compiled_memory",
     "load_task",
     "make_config",
     "parse_shard",

@@ -193,7 +193,7 @@ def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
     batches = batch_stream(task, cell.seed, skip=start)
     first = _next_batch(batches, task, cell, start)
     compiled = prog.step.lower(state, first, jnp.int32(start)).compile()
-    memory = _memory(compiled)
+    memory = compiled_memory(compiled)
     records = read_jsonl(steps_path)
     log = open(steps_path, "a")
     try:
@@ -242,7 +242,9 @@ def _next_batch(batches, task: Task, cell: Cell, step: int):
                      "an iterator of at least `steps` batches") from None
 
 
-def _memory(compiled) -> dict[str, int]:
+def compiled_memory(compiled) -> dict[str, int]:
+  """Argument, output, alias and temporary bytes of a compiled step (XLA's memory
+  analysis; {} where the backend gives none), and argument_plus_temp."""
   ma = compiled.memory_analysis()
   if ma is None:
     return {}

@@ -39,7 +39,7 @@ from precision import optim
 from precision._plan import Plan, bind
 from precision._recipe import Recipe
 from precision._state import TrainState
-from precision._train import train_step, value_and_grad
+from precision._train import train_step
 from precision.audit import audit
 from precision.study._task import Task
 

@@ -16,8 +16,6 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
-
 import numpy as np
 
 from precision import optim

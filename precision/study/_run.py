@@ -22,12 +22,9 @@ given, the slice is taken from them. A run of slice 1/1 writes the report at onc
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import numbers
 import os
-import re
 import sys
 import time
 from typing import Any, Mapping, Sequence
@@ -36,169 +33,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precision import optim
-from precision._plan import bind
-from precision._policy import get_policy
-from precision._recipe import PRESETS, Recipe, get_recipe
+from precision._recipe import Recipe
 from precision.study import _cells
+from precision.study import _config
+from precision.study._config import StudyConfig, check_int, make_config, parse_shard
 from precision.study import _models
 from precision.study import _report
 from precision.study import _stats
 from precision.study._task import Task
 
 FORMAT = 1
-AA_SEED_OFFSET = 1_000_000
-GROWTH_STEPS_PER_RUN = 15  # "auto" growth interval: the scale may double this often a run
 _STUDY_FILE = "study.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class StudyConfig:
-  """What a study trains (the identity an output folder keeps) and how it runs.
-
-  Attributes:
-    recipes: the recipes, the control among them (put first).
-    seeds: seed indices 0..seeds-1 per recipe.
-    steps: optimizer steps per cell.
-    eval_every: evaluation every this many steps (and at 0 and the end); 0: at the end.
-    save_every: checkpoint every this many steps (resumes lose at most this many).
-    control: name of the recipe the others are judged against.
-    aa: add the A/A arm (the control on other seeds).
-    growth_interval: "recipe" (each recipe's own), "auto" (steps // 15: growth and
-      back-off both happen in a short run) or an int: the dynamic loss scale's growth
-      interval in this study.
-    max_nonfinite: a cell stops as diverged after this many consecutive non-finite steps.
-    overrides: (scope pattern, policy string) pairs every recipe is bound with
-      (`precision.bind(recipe, overrides=...)`), e.g. (("*head*", "p=f32,c=f32,o=f32"),).
-  """
-
-  recipes: tuple[Recipe, ...]
-  seeds: int
-  steps: int
-  eval_every: int
-  save_every: int
-  control: str
-  aa: bool
-  growth_interval: str | int
-  max_nonfinite: int
-  overrides: tuple[tuple[str, str], ...] = ()
-
-  def arms(self) -> list[tuple[str, Recipe, int]]:
-    """(arm name, recipe, seed offset) of every row: the control first, A/A last."""
-    out = [(r.name, r, 0) for r in self.recipes]
-    if self.aa:
-      out.append((f"{self.control}-aa", self.recipe(self.control), AA_SEED_OFFSET))
-    return out
-
-  def recipe(self, name: str) -> Recipe:
-    return next(r for r in self.recipes if r.name == name)
-
-  def grid(self) -> list[_cells.Cell]:
-    """Every cell, arm-major."""
-    return [_cells.Cell(arm, recipe, i, i + offset)
-            for arm, recipe, offset in self.arms() for i in range(self.seeds)]
-
-
-def _int(name: str, v: Any, lo: int) -> int:
-  if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-    raise ValueError(f"{name}={v!r}; accepted: an integer >= {lo}")
-  return int(v)
-
-
-def _with_growth(recipe: Recipe, growth: int | None) -> Recipe:
-  if growth is None or recipe.loss_scale.kind != "dynamic":
-    return recipe
-  return recipe.replace(loss_scale=dataclasses.replace(recipe.loss_scale,
-                                                       growth_interval=growth))
-
-
-def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *,
-                eval_every: int | None = None, save_every: int | None = None,
-                control: str = "fp32", aa: bool = False,
-                growth_interval: str | int = "recipe", max_nonfinite: int = 50,
-                overrides: Mapping[str, Any] | None = None) -> StudyConfig:
-  """A validated StudyConfig (ValueError naming any bad value and what is accepted)."""
-  if isinstance(recipes, str):
-    recipes = [r.strip() for r in recipes.split(",") if r.strip()]
-  resolved = []
-  for r in recipes:
-    if isinstance(r, str) and r not in PRESETS:
-      raise ValueError(f"recipe {r!r} does not exist; presets: {', '.join(PRESETS)}")
-    resolved.append(get_recipe(r))
-  names = [r.name for r in resolved]
-  dup = sorted({n for n in names if names.count(n) > 1})
-  if dup:
-    raise ValueError(f"recipes {dup} are named twice; accepted: distinct recipe names")
-  if control not in names:
-    if control in PRESETS:
-      resolved.insert(0, get_recipe(control))
-    else:
-      raise ValueError(f"control={control!r} is neither among the recipes {names} nor a "
-                       f"preset ({', '.join(PRESETS)})")
-  seeds = _int("seeds", seeds, 2)
-  steps = _int("steps", steps, 1)
-  eval_every = max(1, steps // 10) if eval_every is None else _int("eval_every", eval_every, 0)
-  save_every = max(1, steps // 10) if save_every is None else _int("save_every", save_every, 1)
-  max_nonfinite = _int("max_nonfinite", max_nonfinite, 1)
-  if not isinstance(aa, bool):
-    raise ValueError(f"aa={aa!r}; accepted: True or False")
-  g = growth_interval
-  if isinstance(g, str) and g.isdigit():
-    g = int(g)
-  if g == "auto":
-    growth = max(1, steps // GROWTH_STEPS_PER_RUN)
-  elif g == "recipe":
-    growth = None
-  elif isinstance(g, int) and not isinstance(g, bool) and g >= 1:
-    growth = g
-  else:
-    raise ValueError(f"growth_interval={growth_interval!r}; accepted: 'recipe', 'auto' or "
-                     "an integer >= 1 (steps)")
-  control_first = sorted(resolved, key=lambda r: r.name != control)
-  pairs = ()
-  if overrides:
-    if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
-      raise ValueError(f"overrides={overrides!r}; accepted: a dict of scope patterns "
-                       "(strings) to policies")
-    pairs = tuple(sorted((k, str(get_policy(v))) for k, v in overrides.items()))
-    for r in control_first:
-      bind(r, overrides=dict(pairs))  # a bad pattern or policy fails here, before any cell
-  return StudyConfig(tuple(_with_growth(r, growth) for r in control_first), seeds, steps,
-                     eval_every, save_every, control, aa, g, max_nonfinite, pairs)
-
-
-def parse_shard(text: str | Sequence[int] | None) -> tuple[int, int]:
-  """"K/N" (or (K, N)) -> (K, N) with 1 <= K <= N; None -> the Slurm array slice, else 1/1.
-
-  Slurm: K = SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN + 1 (MIN 0 when unset), N =
-  SLURM_ARRAY_TASK_COUNT.
-  """
-  if text is None:
-    tid, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get(
-        "SLURM_ARRAY_TASK_COUNT")
-    if tid is None or count is None:
-      return 1, 1
-    try:
-      k = int(tid) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0")) + 1
-      n = int(count)
-    except ValueError:
-      raise ValueError(f"SLURM_ARRAY_TASK_ID={tid!r}, SLURM_ARRAY_TASK_COUNT={count!r}: "
-                       "accepted: integers") from None
-    if not 1 <= k <= n:
-      raise ValueError(f"the Slurm array gives slice {k} of {n} (SLURM_ARRAY_TASK_ID={tid},"
-                       f" SLURM_ARRAY_TASK_MIN={os.environ.get('SLURM_ARRAY_TASK_MIN', '0')}"
-                       f", SLURM_ARRAY_TASK_COUNT={count}); accepted: 1 <= K <= N")
-    return k, n
-  if isinstance(text, str):
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if not m:
-      raise ValueError(f"shard {text!r}; accepted: K/N with 1 <= K <= N, e.g. 1/4")
-    k, n = int(m.group(1)), int(m.group(2))
-  else:
-    k, n = (int(x) for x in text)
-  if not 1 <= k <= n:
-    raise ValueError(f"shard {k}/{n}; accepted: K/N with 1 <= K <= N, e.g. 1/4")
-  return k, n
 
 
 def _digest(tree: Any, h) -> None:
@@ -288,15 +133,6 @@ def _read_study(out: str) -> dict:
                      "into it first") from None
 
 
-def config_from_study(study: dict) -> StudyConfig:
-  ident, extra = study["identity"], study["settings"]
-  recipes = tuple(Recipe.from_dict(d) for d in ident["recipes"])
-  return StudyConfig(recipes, ident["seeds"], ident["steps"], ident["eval_every"],
-                     extra["save_every"], ident["control"], ident["aa"],
-                     extra["growth_interval"], ident["max_nonfinite"],
-                     tuple(tuple(p) for p in ident.get("overrides", ())))
-
-
 class _Compile_cache:
   """The persistent compilation cache pointed into the study folder while it runs: the
   seeds of a recipe compile to one program, loaded after its first compile."""
@@ -377,7 +213,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
                     max_nonfinite=max_nonfinite, overrides=overrides)
   k, n = parse_shard(shard)
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
-  _int("timing_rounds", timing_rounds, 0)
+  check_int("timing_rounds", timing_rounds, 0)
   pre = _Preflight(task, cfg)
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
                                  cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides)
@@ -411,7 +247,7 @@ def report_only(out: str, *, margin: float | None = None, target: float | None =
       that runs them).
   """
   study = _read_study(out)
-  cfg = config_from_study(study)
+  cfg = _config.config_from_study(study)
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   missing = [c.name for c in cfg.grid() if _cells.read_done(out, c) is None]
   if missing:
