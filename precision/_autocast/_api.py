@@ -16,6 +16,9 @@ and their module paths become name scopes, which `overrides` patterns and
 A recipe with fp8 GEMMs runs the traced function's forward dot_generals through fp8 (see
 precision._autocast._fp8 for which ones); delayed scaling carries its state explicitly
 (`fp8_state=True`).
+
+Size: AutocastSpec (validation of policy, overrides, fp32 ops and fp8) and the
+run/trace/write-back of `autocast` are the one entry point every front end calls.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Examples:
   >>> prog = lower(train_step, params, batch, platform="cuda")
   >>> prog.gemm_signatures()        # Counter({('bf16', 'bf16', 'f32'): 45})
   >>> prog.check("bf16_mixed")      # raises PrecisionViolation listing offending GEMMs
+
+Size: the StableHLO reader (dot_general/convolution types, custom calls) and the recipe
+check on it share one parser; split, each half would re-derive it.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ and the newest intact older step is restored instead, or `CheckpointDamagedError
 that none is intact. One process writes a directory at a time (`CheckpointLockedError`),
 and only the run it belongs to (`CheckpointOwnershipError`). Local POSIX filesystems, one
 process (all the devices of one host); a multi-process job is refused at `save`.
+
+Size: save and restore are one protocol (temp folder, digests, read-back, rotation,
+fallback, ownership); the pieces they share live in _files, _integrity, _owner and _lock.
 """
 
 from __future__ import annotations

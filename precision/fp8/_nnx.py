@@ -32,6 +32,9 @@ Examples:
   >>> m = mp.fp8.fp8_metrics(layer)  # a root layer: keys without a path prefix
   >>> int(m["fp8/gemms"]), float(m["grad_amax"]) > 0, float(m["fp8/saturated"])
   (1, True, 0.0)
+
+Size: the fp8 state Variables, the NNX dot_general/einsum modules and the state flow
+between them (grad state, rollback) are one mechanism.
 """
 
 from __future__ import annotations

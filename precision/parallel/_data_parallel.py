@@ -1,4 +1,8 @@
-"""`data_parallel`: a jitted, donated ZeRO-0/1/2/3 train step over a Mesh, on shard_map."""
+"""`data_parallel`: a jitted, donated ZeRO-0/1/2/3 train step over a Mesh, on shard_map.
+
+Size: one step builder for ZeRO stages 0-3 and its init/placement; the stages share every
+line but their reduce and gather, so they stay together.
+"""
 
 from __future__ import annotations
 

@@ -86,6 +86,9 @@ Examples:
   0.25
   >>> [round(p, 3) for p in holm([0.01, 0.04, 0.03])]
   [0.03, 0.06, 0.06]
+
+Size: every statistic a verdict uses and the Monte Carlo calibrations that measure its
+error rates, kept together so each test's definition sits beside its measured rate.
 """
 
 from __future__ import annotations
