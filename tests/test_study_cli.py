@@ -1,7 +1,8 @@
 """`python -m precision.study` on task files written outside the package, as a researcher
 runs it: an NNX MLP with biases and LayerNorm, and a Linen CNN with BatchNorm and Dropout
 driven by a `train` keyword, each under fp32, bf16_mixed, bf16_master, f16_mixed and
-fp8_hybrid x 3 seeds; and the CLI's one-line errors with exit status 2."""
+fp8_hybrid x 3 seeds (slow: 30 cells; CI runs them), a small run of each task in the fast
+set, and the CLI's one-line errors with exit status 2."""
 
 import json
 import os
@@ -32,6 +33,7 @@ def studied(request, tmp_path_factory):
   return request.param, str(out), p
 
 
+@pytest.mark.slow  # the 5-recipe x 3-seed study of each task
 def test_every_output_is_written(studied):
   _, out, p = studied
   for name in ("summary.md", "summary.json", "results.jsonl", "loss_curves.png",
@@ -43,6 +45,7 @@ def test_every_output_is_written(studied):
   assert "# Study:" in p.stdout
 
 
+@pytest.mark.slow  # the 5-recipe x 3-seed study of each task
 def test_every_recipe_gets_a_verdict(studied):
   ref, out, _ = studied
   summary = json.load(open(os.path.join(out, "summary.json")))
@@ -63,6 +66,7 @@ def test_every_recipe_gets_a_verdict(studied):
   assert rows["fp8_hybrid"]["deltas"] != rows["bf16_mixed"]["deltas"]
 
 
+@pytest.mark.slow  # the 5-recipe x 3-seed study of each task
 def test_results_hold_every_step_of_every_cell(studied):
   _, out, _ = studied
   recs = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
@@ -72,6 +76,19 @@ def test_results_hold_every_step_of_every_cell(studied):
     steps = [r["step"] for r in recs if r["arm"] == o["arm"] and r["index"] == o["index"]
              and "outcome" not in r]
     assert steps == list(range(7)), (o["arm"], o["index"])
+
+
+@pytest.mark.parametrize("ref", ["nnx_mlp.py:task", "linen_cnn.py:make_task"])
+def test_small_study_of_each_task_kind(tmp_path, ref):
+  out = tmp_path / "small"
+  p = cli(os.path.join(TASKS, ref), "--recipes", "fp32,fp8_hybrid", "--seeds", "2",
+          "--steps", "3", "--eval-every", "3", "--timing-rounds", "0", "--out", str(out),
+          "--no-progress")
+  assert p.returncode == 0, p.stderr[-3000:]
+  rows = json.load(open(out / "summary.json"))["recipes"]
+  assert rows["fp8_hybrid"]["verdict_code"] in ("worse", "better", "no_difference")
+  assert rows["fp8_hybrid"]["health"]["ok"] == 2 and len(rows["fp8_hybrid"]["deltas"]) == 2
+  assert (out / "loss_curves.png").stat().st_size > 0
 
 
 def test_fp8_keeps_first_and_last_gemm_by_role():
@@ -104,6 +121,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
   assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
+@pytest.mark.slow  # the 5-recipe x 3-seed study of each task
 def test_an_out_of_another_study_is_refused_and_kept(studied):
   ref, out, _ = studied
   before = open(os.path.join(out, "summary.json")).read()
