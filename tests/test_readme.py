@@ -65,6 +65,7 @@ def test_docs_python_blocks_run(doc, tmp_path):
     assert run.returncode == 0, f"{doc.name} block {i}:\n{run.stderr[-3000:]}"
 
 
+@pytest.mark.slow  # 20 cells, about a minute: CI runs it (python -m pytest -m slow)
 def test_study_section_runs_as_written(tmp_path):
   readme = (ROOT / "README.md").read_text()
   section = readme[readme.index("## Study your own model"):]
