@@ -15,7 +15,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -24,6 +23,7 @@ import precision.optim  # noqa: F401
 from precision import checkpoint
 from precision.checkpoint import _integrity
 from precision.checkpoint import _orbax
+from _asserts import bit_identical
 
 RECIPE = mp.get_recipe("bf16_master")
 TX = mp.optim.build_optimizer(RECIPE, optax.adam(1e-2), seed=1)
@@ -41,12 +41,6 @@ def _state(step):
 
 def _target():
   return _state(0)
-
-
-def _equal(a, b):
-  return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +135,9 @@ def test_glob_characters_in_the_path_round_trip_bit_exact(tmp_path, states, comp
     ckpt.save(2, states[2], recipe=RECIPE, model_config=MODEL, seed=0)  # rotates 1 away
     assert ckpt.steps() == [2]
   r, warned = _restore(d)
-  assert r.step == 2 and r.verified and _equal(r.state, states[2]) and not warned
+  assert r.step == 2 and r.verified and bit_identical(r.state, states[2]) and not warned
   r = checkpoint.restore(d, _target(), step=2)
-  assert _equal(r.state, states[2])
+  assert bit_identical(r.state, states[2])
 
 
 def test_a_save_that_cannot_be_read_back_fails_before_rotation(tmp_path, states, monkeypatch):
@@ -163,7 +157,7 @@ def test_a_save_that_cannot_be_read_back_fails_before_rotation(tmp_path, states,
   monkeypatch.undo()
   assert checkpoint.Checkpointer(d).steps() == [1]
   assert not [n for n in os.listdir(d) if n.startswith(".")]
-  assert _equal(checkpoint.restore(d, _target()).state, states[1])
+  assert bit_identical(checkpoint.restore(d, _target()).state, states[1])
 
 
 # ------------------------------------------------------------------ 2. outside the directory
@@ -183,7 +177,7 @@ def test_manifest_names_outside_the_step_are_never_opened(saved, states, tmp_pat
       entry, {"bytes": 6, "sha256": _integrity.file_digest(sentinel)}))
   opens = _Opens(monkeypatch)
   r, warned = _restore(d)
-  assert r.step == 1 and _equal(r.state, states[1])
+  assert r.step == 1 and bit_identical(r.state, states[1])
   assert "lists a file outside the step" in warned[0]
   assert not opens.touched(outside)
 
@@ -296,7 +290,7 @@ def test_step_made_to_look_unverified_restores_only_when_asked(saved, states, tm
   with pytest.raises(checkpoint.CheckpointDamagedError, match="allow_unverified=True"):
     checkpoint.restore(d, _target(), step=2)
   r, warned = _restore(d, allow_unverified=True)
-  assert r.step == 2 and not r.verified and _equal(r.state, states[2])
+  assert r.step == 2 and not r.verified and bit_identical(r.state, states[2])
   assert any("restored unverified" in w for w in warned)
 
 
@@ -347,7 +341,7 @@ def test_a_failed_rotation_keeps_the_new_step_and_says_so(tmp_path, states, monk
     _save(d, 2, states[2], keep=1)
   monkeypatch.undo()
   r, _ = _restore(d)
-  assert r.step == 2 and _equal(r.state, states[2])
+  assert r.step == 2 and bit_identical(r.state, states[2])
 
 
 def _eio(fd):
@@ -417,7 +411,7 @@ def test_a_directory_reached_through_a_link_still_works(tmp_path, states):
   _save(d, 1, states[1])
   _save(d, 2, states[2])
   r, warned = _restore(d)
-  assert r.step == 2 and _equal(r.state, states[2]) and not warned
+  assert r.step == 2 and bit_identical(r.state, states[2]) and not warned
   assert checkpoint.Checkpointer(real).steps() == [1, 2]
 
 
@@ -431,7 +425,7 @@ def test_signed_steps_restore_only_with_their_key_and_unchanged(tmp_path, states
   checkpoint.save(d, 1, states[1], recipe=RECIPE, model_config=MODEL, seed=0, key=KEY)
   checkpoint.save(d, 2, states[2], recipe=RECIPE, model_config=MODEL, seed=0, key=KEY)
   r, warned = _restore(d, key=KEY)
-  assert r.step == 2 and r.authenticated and _equal(r.state, states[2]) and not warned
+  assert r.step == 2 and r.authenticated and bit_identical(r.state, states[2]) and not warned
   r, _ = _restore(d)  # without a key: the digests as before
   assert r.step == 2 and not r.authenticated
   # Step 2's metadata edited and its manifest re-digested by someone without the key:

@@ -9,13 +9,7 @@ import pytest
 
 import precision as mp
 import precision.optim  # noqa: F401
-from precision.optim._guard import nonfinite_loss_guard
-
-
-def _equal(a, b):
-  return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+from _asserts import bit_identical
 
 
 def _loss(params, bad):
@@ -37,13 +31,13 @@ def test_update_with_a_nonfinite_value_is_skipped(recipe):
   u_plain, o_plain = jax.jit(tx.update)(grads, opt, params)
   mp.optim.loss_scale_of(opt)
   u_val, o_val = update(grads, opt, params, jnp.float32(3.0))
-  assert _equal(u_plain, u_val) and _equal(o_plain, o_val)
+  assert bit_identical(u_plain, u_val) and bit_identical(o_plain, o_val)
   # An inf or NaN loss with the same finite grads: skipped, params and state kept.
   for bad in (jnp.inf, jnp.nan):
     mp.optim.loss_scale_of(opt)
     u, o = update(grads, opt, params, jnp.float32(bad))
     new_params = mp.optim.apply_updates(params, u)
-    assert _equal(new_params, params)
+    assert bit_identical(new_params, params)
     m = mp.optim.optimizer_metrics(o)
     assert int(m["skipped_steps"]) == 1 and int(m["nonfinite_steps"]) == 1
     assert bool(mp.optim.step_skipped(opt, o))
@@ -52,8 +46,9 @@ def test_update_with_a_nonfinite_value_is_skipped(recipe):
 def test_loss_guard_makes_grads_nonfinite_only_when_the_loss_is():
   params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3)}
   plain = jax.jit(jax.value_and_grad(lambda p: _loss(p, False)))
-  guarded = jax.jit(jax.value_and_grad(lambda p, bad: nonfinite_loss_guard(_loss(p, bad))))
-  assert _equal(plain(params), guarded(params, False))
+  guarded = jax.jit(jax.value_and_grad(
+      lambda p, bad: mp.optim.nonfinite_loss_guard(_loss(p, bad))))
+  assert bit_identical(plain(params), guarded(params, False))
   loss, grads = guarded(params, True)
   assert np.isinf(loss) and np.all(np.isnan(grads["w"]))
   # Without the guard the same loss has finite gradients: the step would be applied.
@@ -81,4 +76,4 @@ def test_training_step_skips_an_inf_loss_with_finite_grads(monkeypatch):
   state, metrics = trainlib.step_once(compiled, state, tokens)
   assert not np.isfinite(metrics["loss"])
   assert metrics["skipped_steps"] == 1 and metrics["nonfinite_steps"] == 1
-  assert _equal(state.params, trainlib.init_state(cfg)[1].params)  # not applied
+  assert bit_identical(state.params, trainlib.init_state(cfg)[1].params)  # not applied
