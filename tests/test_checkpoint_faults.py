@@ -21,6 +21,7 @@ import pytest
 import precision as mp
 import precision.optim  # noqa: F401
 from precision import checkpoint
+from precision.checkpoint import _files
 from precision.checkpoint import _integrity
 from precision.checkpoint import _orbax
 from _asserts import bit_identical
@@ -79,7 +80,7 @@ def _rewrite_manifest(step_dir, change):
   m = json.load(open(path))
   change(m)
   body = {k: v for k, v in m.items() if k != "sha256"}
-  m["sha256"] = _integrity._body_digest(body)
+  m["sha256"] = _files.json_digest(body)
   with open(path, "w") as f:
     json.dump(m, f)
 

@@ -21,6 +21,7 @@ Every JSON file the library writes carries ``format`` (its own number) and
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -62,6 +63,32 @@ def check_format(d: dict, newest: int, what: str, strict: bool = True) -> Any:
         f"({d.get('precision_version', 'unknown')}); this one ({version()}) reads formats "
         f"<= {newest}. Upgrade precision to read it")
   return fmt
+
+
+def json_digest(body: dict) -> str:
+  """SHA-256 of a JSON object's canonical text (sorted keys): what a file that carries
+  its own checksum (the manifest, the run record) stores under "sha256"."""
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_self_digested(path: str, newest: int, what: str) -> tuple[dict, dict, bool]:
+  """(document, body, digest matches) of a JSON object carrying its own "sha256".
+
+  A newer format is refused before the digest is checked (a newer version may digest
+  otherwise).
+
+  Raises:
+    CheckpointFormatError for a newer format; OSError / ValueError for a file that is a
+    link, not a regular file, not JSON or not a JSON object (the caller reports damage).
+  """
+  if os.path.islink(path):
+    raise ValueError("it is a symbolic link, never followed")
+  doc = read_json(path)
+  if not isinstance(doc, dict):
+    raise ValueError("it is not a JSON object")
+  check_format(doc, newest, what, strict=False)
+  body = {k: v for k, v in doc.items() if k != "sha256"}
+  return doc, body, doc.get("sha256") == json_digest(body)
 
 
 def _open_regular(path: str, flags: int) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from typing import Any
 
@@ -108,10 +107,6 @@ def _walk(step_dir: str) -> tuple[list[str], list[str]]:
   return sorted(found), sorted(links)
 
 
-def _body_digest(body: dict) -> str:
-  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 write_json = _files.write_json
 fsync_dir = _files.fsync_dir
 
@@ -126,7 +121,7 @@ def write_manifest(step_dir: str, step: int, arrays: dict[str, dict]) -> None:
            for rel in found}
   body = _files.stamp({"step": int(step), "files": files, "arrays": arrays},
                       MANIFEST_FORMAT)
-  write_json(os.path.join(step_dir, MANIFEST), {**body, "sha256": _body_digest(body)})
+  write_json(os.path.join(step_dir, MANIFEST), {**body, "sha256": _files.json_digest(body)})
 
 
 def check_key(key: Any) -> bytes | None:
@@ -213,14 +208,10 @@ def read_manifest(step_dir: str, what: str) -> dict:
   try:
     if os.path.islink(step_dir):
       raise ValueError("the step folder is a symbolic link")
-    manifest = _files.read_json(path)
-    if not isinstance(manifest, dict):
-      raise ValueError("it is not a JSON object")
-    # A newer format is refused before its digest is checked (it may digest otherwise).
-    _files.check_format(manifest, MANIFEST_FORMAT, f"{what}: its {MANIFEST}", strict=False)
-    body = {k: v for k, v in manifest.items() if k != "sha256"}
-    ok = (manifest.get("sha256") == _body_digest(body) and isinstance(body.get("files"), dict)
-          and isinstance(body.get("arrays", {}), dict))
+    manifest, body, ok = _files.read_self_digested(path, MANIFEST_FORMAT,
+                                                   f"{what}: its {MANIFEST}")
+    ok = ok and isinstance(body.get("files"), dict) and isinstance(body.get("arrays", {}),
+                                                                  dict)
     if ok:
       _files.check_format(manifest, MANIFEST_FORMAT, f"{what}: its {MANIFEST}")
   except (OSError, ValueError, AttributeError) as e:

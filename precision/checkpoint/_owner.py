@@ -12,8 +12,6 @@ history.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import os
 import socket
 import uuid
@@ -65,10 +63,6 @@ def _body(r: RunRecord) -> dict[str, Any]:
                       "history": list(r.history)}, RECORD_FORMAT)
 
 
-def _digest(body: dict) -> str:
-  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def read(directory: str) -> RunRecord | None:
   """The directory's record, None when it has none.
 
@@ -81,14 +75,8 @@ def read(directory: str) -> RunRecord | None:
   if not os.path.lexists(path):
     return None
   try:
-    if os.path.islink(path):
-      raise ValueError("it is a symbolic link, never followed")
-    d = _files.read_json(path)
-    if not isinstance(d, dict):
-      raise ValueError("it is not a JSON object")
-    _files.check_format(d, RECORD_FORMAT, f"The run record {path}", strict=False)
-    body = {k: v for k, v in d.items() if k != "sha256"}
-    if d.get("sha256") != _digest(body):
+    d, _, ok = _files.read_self_digested(path, RECORD_FORMAT, f"The run record {path}")
+    if not ok:
       raise ValueError("it does not match its own checksum")
     return RunRecord(run_id=str(d["run_id"]), recipe=Recipe.from_dict(d["recipe"]),
                      model_config=d["model_config"], seed=d["seed"], created=d["created"],
@@ -101,7 +89,7 @@ def read(directory: str) -> RunRecord | None:
 
 def write(directory: str, record: RunRecord) -> None:
   body = _body(record)
-  _integrity.write_json(os.path.join(directory, RECORD_FILE), {**body, "sha256": _digest(body)})
+  _integrity.write_json(os.path.join(directory, RECORD_FILE), {**body, "sha256": _files.json_digest(body)})
 
 
 def create(recipe: Recipe, model_config: dict | None, seed: int | None,
