@@ -114,17 +114,8 @@ def _ref_loss(params, x, y, fp8_layers=(1, 2), config=CURRENT.fp8):
   (fresh state: current scaling), the others through the policy's bf16 GEMM; the bf16
   GEMM result meets the f32 bias in f32, as autocast promotes it."""
   spec = mp.fp8.Fp8Spec.from_config(config)
-  h = x
-  for i, p in enumerate(params):
-    if i in fp8_layers:
-      z, _ = mp.fp8.fp8_dot_general(h, p["w"], DN, spec.init_state(), spec,
-                                    out_dtype=jnp.bfloat16)
-    else:
-      z = mp.flax.policy_dot_general(h, p["w"], DN, jnp.bfloat16)
-    h = z.astype(jnp.float32) + p["b"][None, :]
-    if i < len(params) - 1:
-      h = jnp.maximum(h, 0.0)
-  return jnp.mean((h - y) ** 2)
+  state = {str(i): spec.init_state() for i in fp8_layers}
+  return _ref_with_state(params, state, x, y, spec)[0]
 
 
 def _close(a, b, rtol):
