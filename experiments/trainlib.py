@@ -16,7 +16,6 @@ checkpoint + restore + N/2 steps give bit-identical states (tests/test_train.py)
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import numbers
@@ -301,14 +300,8 @@ def inner_schedule(cfg: TrainConfig):
 
 def fingerprint(state: ckpt_lib.TrainState) -> str:
   """SHA-256 over the bytes (with paths and dtypes) of params, optimizer and model state."""
-  h = hashlib.sha256()
-  tree = {"params": state.params, "opt_state": state.opt_state,
-          "model_state": state.model_state}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    arr = np.asarray(jax.device_get(leaf))
-    h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype}:{arr.shape}".encode())
-    h.update(arr.tobytes())
-  return h.hexdigest()
+  return mp.study.fingerprint({"params": state.params, "opt_state": state.opt_state,
+                               "model_state": state.model_state})
 
 
 def compile_step(run: Run, state: ckpt_lib.TrainState, tokens: np.ndarray):

@@ -22,6 +22,7 @@ Examples:
 """
 
 from precision.study._cells import compiled_memory
+from precision.study._cells import fingerprint
 from precision.study._models import LinenModel
 from precision.study._report import Judging
 from precision.study._report import StudyResult
@@ -44,6 +45,7 @@ __all__ = [
     "Task",
     "comparable",
     "compiled_memory",
+    "fingerprint",
     "load_task",
     "make_config",
     "parse_shard",

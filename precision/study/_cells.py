@@ -118,15 +118,21 @@ def read_steps(out: str, cell: Cell) -> list[dict]:
   return read_jsonl(os.path.join(cell_dir(out, cell), "steps.jsonl"))
 
 
-def fingerprint(state: Any) -> str:
-  """SHA-256 over every array of the state (with its path, dtype and shape)."""
-  h = hashlib.sha256()
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+def update_digest(h, tree: Any) -> None:
+  """Feeds every array of `tree` (its path, dtype, shape and bytes; typed PRNG keys as
+  their key data) into the hash `h`."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if jnp.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key):
       leaf = jax.random.key_data(leaf)
     arr = np.asarray(jax.device_get(leaf))
     h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype}:{arr.shape}".encode())
     h.update(arr.tobytes())
+
+
+def fingerprint(state: Any) -> str:
+  """SHA-256 over every array of the state (with its path, dtype and shape)."""
+  h = hashlib.sha256()
+  update_digest(h, state)
   return h.hexdigest()
 
 

@@ -46,13 +46,6 @@ FORMAT = 1
 _STUDY_FILE = "study.json"
 
 
-def _digest(tree: Any, h) -> None:
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    arr = np.asarray(jax.device_get(leaf))
-    h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype}:{arr.shape}".encode())
-    h.update(arr.tobytes())
-
-
 class _Preflight:
   """What the study learns from the task before any cell: its kind, that its loss is a
   floating scalar, a digest of seed 0's initial params and first batch (a changed task
@@ -70,12 +63,12 @@ class _Preflight:
     _models.check_loss(task, model, batch)
     h = hashlib.sha256()
     if self.kind == "nnx":
-      _digest(nnx.state(model, nnx.Param), h)
+      _cells.update_digest(h, nnx.state(model, nnx.Param))
     elif self.kind == "linen":
-      _digest(model[1], h)
+      _cells.update_digest(h, model[1])
     else:
-      _digest(model, h)
-    _digest(batch, h)
+      _cells.update_digest(h, model)
+    _cells.update_digest(h, batch)
     self.digest = h.hexdigest()
     self.fp8_keeps: tuple[str, ...] = ()
     if self.kind == "nnx" and any(r.fp8 is not None for r in cfg.recipes):
