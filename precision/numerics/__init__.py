@@ -6,6 +6,12 @@ range, underflow, subnormals, overflow, fp8 saturation and SQNR against the dtyp
 are computed in, plus what-if columns for bf16, f16 and fp8 (E4M3/E5M2 with per-tensor
 current scaling) from the same tensors. Every statistic is defined in TensorStats.
 
+`gemm_telemetry` measures the same rows inside a compiled step (jnp reductions on the
+device, returned as a TelemetryRecord pytree) with the logit monitors (max logit of each
+softmax, the log-partition of each log_softmax/logsumexp); `param_monitors` adds update
+RMS, param RMS, updates lost to rounding and Adam's RMS(g^2/v) per parameter.
+precision.study records both every N steps (`telemetry=N`).
+
 Examples:
   >>> import precision as mp
   >>> report = mp.numerics.inspect(jax.value_and_grad(loss), "f16_mixed", params, x, y)
@@ -18,6 +24,9 @@ from precision.numerics._inspect import Captured
 from precision.numerics._inspect import capture
 from precision.numerics._inspect import inspect
 from precision.numerics._interpret import TensorInfo
+from precision.numerics._telemetry import TelemetryRecord
+from precision.numerics._telemetry import gemm_telemetry
+from precision.numerics._telemetry import param_monitors
 from precision.numerics._report import DEFAULT_THRESHOLDS
 from precision.numerics._report import NumericsReport
 from precision.numerics._report import STATISTICS
@@ -30,6 +39,9 @@ __all__ = [
     "STATISTICS",
     "TensorInfo",
     "TensorStats",
+    "TelemetryRecord",
     "capture",
+    "gemm_telemetry",
     "inspect",
+    "param_monitors",
 ]

@@ -89,14 +89,18 @@ def _module_scopes(nodes):
           delattr(cls, m)
 
 
-def _run(fn, recipe_or_policy, args, kwargs, on_tensor) -> tuple[str, tuple]:
+def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple[str, tuple]:
   """Traces fn(*args, **kwargs) under autocast and evaluates it with the recorder;
-  returns the policy string and the higher-order primitives whose GEMMs went unseen."""
+  returns the policy string and the higher-order primitives whose GEMMs went unseen.
+  `recorder(on_tensor)` makes the evaluator (default: _interpret.Recorder)."""
   if not callable(fn):
     raise ValueError(f"fn must be callable (a loss, a forward or a value_and_grad "
                      f"function); got {fn!r} of type {type(fn).__name__}")
+  # A model marked by precision.flax.apply_recipe / apply_policy gets its module scopes
+  # from autocast itself (naming it twice would give "fc1/fc1").
+  from precision.flax import _nnx  # pylint: disable=g-import-not-at-top
   nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
-           if _is_node(x)]
+           if _is_node(x) and _nnx.spec_of(x) is None]
   # NNX modules are pytrees: flattened to their arrays, rebuilt inside the trace (so the
   # caller's model is never modified: BatchNorm statistics, RNG counters stay as they are).
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -112,7 +116,7 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor) -> tuple[str, tuple]:
   wrapped = autocast(flat_fn, recipe_or_policy)
   with _module_scopes(nodes):
     closed = jax.make_jaxpr(wrapped)(*arrays)
-  recorder = _interpret.Recorder(on_tensor)
+  recorder = (recorder or _interpret.Recorder)(on_tensor)
   recorder.run(closed, arrays)
   return str(wrapped.autocast_spec.policy), tuple(recorder.unvisited)
 

@@ -4,6 +4,9 @@ A cell lives in its own folder of the study's output:
 
   cells/<arm>__s<seed>/ckpt/          precision.checkpoint steps (every `save_every` steps)
   cells/<arm>__s<seed>/steps.jsonl    one record per step (and the evaluations)
+  cells/<arm>__s<seed>/telemetry.jsonl numerics telemetry every `telemetry_every` steps
+                                      (when on): every GEMM tensor's statistics and the
+                                      monitors, measured on the state before that step
   cells/<arm>__s<seed>/attempts.jsonl one line per start or resume of the cell
   cells/<arm>__s<seed>/done.json      the cell's outcome, written last and atomically
 
@@ -65,6 +68,8 @@ class CellSettings(NamedTuple):
   max_nonfinite: int
   fp8_keeps: tuple[str, ...]
   overrides: tuple[tuple[str, str], ...] = ()
+  telemetry_every: int = 0      # 0: off (the trajectory is the same either way)
+  telemetry_whatif: bool = True
 
 
 def safe_name(name: str) -> str:
@@ -195,6 +200,10 @@ def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
       state, start = restored.state, restored.step
     # Records after the restored step are redone; a fresh start redoes them all.
     _truncate(steps_path, start if start else -1)
+    tele_path = os.path.join(folder, "telemetry.jsonl")
+    if settings.telemetry_every:
+      # A record of step s is taken before step s + 1 runs: from `start` on, redone.
+      _truncate(tele_path, start - 1)
     _attempt(folder, "resume" if start else "start", start)
     batches = batch_stream(task, cell.seed, skip=start)
     first = _next_batch(batches, task, cell, start)
@@ -210,6 +219,9 @@ def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
       for step in range(start, settings.steps):
         if batch is None:
           batch = _next_batch(batches, task, cell, step)
+        if settings.telemetry_every and step % settings.telemetry_every == 0:
+          with open(tele_path, "a") as tf:
+            tf.write(_telemetry_line(prog, state, batch, step, settings.telemetry_whatif))
         t0 = time.perf_counter()
         state, metrics = compiled(state, batch, jnp.int32(step))
         metrics = {k: _host(metrics[k]) for k in _STEP_FIELDS + ("consecutive_nonfinite",)}
@@ -238,6 +250,24 @@ def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
   finally:
     ckpt.close()
   return _summary(cell, prog, records, state, memory, stopped)
+
+
+def read_telemetry(out: str, cell: Cell) -> list[dict]:
+  return read_jsonl(os.path.join(cell_dir(out, cell), "telemetry.jsonl"))
+
+
+def _telemetry_line(prog: _models.Program, state, batch, step: int, whatif: bool) -> str:
+  """One telemetry.jsonl line: the numerics of the step taken from `state` (which the
+  telemetry program does not change: the trajectory is the step's alone)."""
+  from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
+  record = prog.telemetry(state, batch, jnp.int32(step), whatif)
+  rows = _telemetry.record_rows(record, step)
+  for r in rows:
+    for k in ("index", "primitive", "location", "recomputed", "size", "step", "operand"):
+      r.pop(k, None)
+  return json.dumps({"step": step, "policy": record.policy, "rows": rows,
+                     "monitors": record.monitors(),
+                     "unvisited": list(record.unvisited)}) + "\n"
 
 
 def _next_batch(batches, task: Task, cell: Cell, step: int):

@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                   help="dynamic loss-scale growth interval: recipe, auto or steps")
   ap.add_argument("--timing-rounds", type=int, default=5,
                   help="interleaved timing rounds for the step-time column (0: none)")
+  ap.add_argument("--telemetry", type=int, default=0, metavar="N",
+                  help="numerics telemetry every N steps (0: off): per-tensor statistics "
+                       "of every GEMM, monitors, first anomaly and heatmaps in the report")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
   return ap
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
           target=args.target, alpha=args.alpha, test=args.test, aa=args.aa,
           control=args.control, growth_interval=args.growth_interval,
           timing_rounds=args.timing_rounds, progress=not args.no_progress,
+          telemetry=args.telemetry,
           overrides=overrides or None)
   except ValueError as e:
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -40,6 +40,8 @@ from precision._plan import Plan, bind
 from precision._recipe import Recipe
 from precision._state import TrainState
 from precision._train import train_step
+from precision._train import value_and_grad as mp_value_and_grad
+from precision.numerics import _telemetry
 from precision.audit import audit
 from precision.study._task import Task
 
@@ -139,6 +141,12 @@ class Program:
     n_params: trainable parameter count.
     graphdef: the NNX model's graph (marked with the plan): ``nnx.merge(graphdef,
       state.params, state.model_state)`` is the model as trained; None for other kinds.
+    telemetry: ``telemetry(state, batch, t, whatif) -> TelemetryRecord`` (jitted,
+      `whatif` static): the numerics of the step `step` would take from `state` on
+      `batch` (every GEMM tensor of its forward and backward pass, the logit monitors,
+      and the parameter monitors of its update), computed without changing `state`.
+      GEMM rows are empty for fp8 recipes (their GEMMs run inside fp8 layers or with
+      explicit scaling state, which the telemetry evaluator does not replay).
   """
 
   kind: str
@@ -148,6 +156,7 @@ class Program:
   evaluate: Callable[[TrainState], float]
   n_params: int
   graphdef: Any = None
+  telemetry: Callable[..., Any] | None = None
 
 
 def _fnmatch_literal(path: str) -> str:
@@ -199,6 +208,26 @@ def _metrics(opt_state: Any, loss: jax.Array, fp8_saturated: jax.Array | None) -
   m["fp8_saturated"] = (jnp.zeros((), _F32) if fp8_saturated is None
                         else jnp.asarray(fp8_saturated, _F32))
   return m
+
+
+def _telemetry_record(vg, plan: Plan, args, grads_of, params, opt_state, tx, whatif):
+  """The TelemetryRecord of one step: GEMM rows of `vg(*args)` under `plan` (none for
+  fp8 recipes) and the parameter monitors of the update the step would make."""
+  if plan.recipe.fp8 is None:
+    rec = _telemetry.gemm_telemetry(vg, plan, *args, whatif=whatif)
+  else:
+    fields = _telemetry._device_stats.FIELDS if whatif else \
+        _telemetry._device_stats.BASE_FIELDS
+    rec = _telemetry.TelemetryRecord(jnp.zeros((0, len(fields)), _F32),
+                                     jnp.zeros((0,), _F32), (), fields, (),
+                                     str(plan.policy))
+  grads = grads_of()
+  updates, _ = tx.update(grads, opt_state, params)
+  after = optim.apply_updates(params, updates)
+  scale = optim.loss_scale_of(opt_state)
+  # The monitors take the gradients the optimizer divides its loss scale out of.
+  unscaled = jax.tree.map(lambda g: jnp.asarray(g, _F32) / scale, grads)
+  return rec.with_monitors(_telemetry.param_monitors(params, after, unscaled, opt_state))
 
 
 def _mean(values: list[float]) -> float:
@@ -253,9 +282,21 @@ def _build_nnx(task, plan: Plan, seed, model, tx, held_out) -> Program:
                                 for b in held_out])
   else:
     evaluate = lambda s: float(task.evaluate(nnx.merge(graphdef, s.params, s.model_state)))
+  def telemetry(state: TrainState, batch: Any, t: jax.Array, whatif: bool):
+    del t
+    def vg(model, batch):
+      return mp_value_and_grad(task.loss, state.opt_state)(model, batch)
+
+    def grads_of():
+      return vg(nnx.merge(graphdef, state.params, state.model_state), batch)[1]
+
+    m = nnx.merge(graphdef, state.params, state.model_state)
+    return _telemetry_record(vg, plan, (m, batch), grads_of, state.params, state.opt_state,
+                             tx, whatif)
+
   n = int(sum(x.size for x in jax.tree.leaves(params)))
   return Program("nnx", recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n,
-                 graphdef)
+                 graphdef, jax.jit(telemetry, static_argnums=(3,)))
 
 
 def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Program:
@@ -348,10 +389,25 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
     evaluate = lambda s: float(task.evaluate(LinenModel(
         module, s.params, collections_of(s), None, training=False, streams=streams,
         recipe=None if has_fp8 else plan)))
+  def telemetry(state: TrainState, batch: Any, t: jax.Array, whatif: bool):
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), t)
+    scale = optim.loss_scale_of(state.opt_state)
+    args = (state.params, collections_of(state), batch, rng, scale)
+    plain_vg = jax.value_and_grad(loss_of, has_aux=True)
+
+    def grads_of():
+      if has_fp8:
+        return vg(state.model_state["fp8"], *args)[1]
+      return vg(*args)[1]
+
+    return _telemetry_record(plain_vg, plan, args, grads_of, state.params, state.opt_state,
+                             tx, whatif)
+
   state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(model_state),
                      _rng_data(seed))
   n = int(sum(x.size for x in jax.tree.leaves(params)))
-  return Program(kind, recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n)
+  return Program(kind, recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n,
+                 None, jax.jit(telemetry, static_argnums=(3,)))
 
 
 def check_loss(task: Task, model: Any, batch: Any) -> None:

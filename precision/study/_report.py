@@ -20,6 +20,7 @@ import numpy as np
 
 from precision import optim
 from precision.study import _cells
+from precision.study import _telemetry_report
 from precision.study import _stats
 
 _VERDICT_WORDS = {_stats.WORSE: "worse", _stats.BETTER: "better"}
@@ -291,12 +292,21 @@ def write(out: str, cfg, judging: Judging, task_name: str) -> StudyResult:
   summary = {"task": task_name, "kind": study.get("kind"),
              "config": study["identity"], "judging": dataclasses.asdict(judging),
              "recipes": rows, "timing": costs}
+  telemetry = _telemetry_report.summarize(out, cfg)
+  if any(telemetry.values()):
+    summary["telemetry"] = telemetry
   _cells.write_atomic(os.path.join(out, "summary.json"),
                       json.dumps(summary, indent=1, default=_json_default))
   md = markdown(rows, cfg, judging, study, costs, task_name)
+  md += "".join(line + "\n" for line in _telemetry_report.markdown(telemetry))
   _cells.write_atomic(os.path.join(out, "summary.md"), md)
   result = StudyResult(out, rows, summary, md, runs, cfg.control)
   result.write_plots()
+  if any(telemetry.values()):
+    try:
+      _telemetry_report.write_heatmaps(out, cfg)
+    except ImportError:
+      pass  # matplotlib is optional
   return result
 
 

@@ -162,7 +162,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         target: float | None = None, alpha: float = _stats.ALPHA, test: str = "t",
         aa: bool = False, control: str = "fp32", growth_interval: str | int = "recipe",
         max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
-        overrides: Mapping[str, Any] | None = None) -> _report.StudyResult | None:
+        overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
+        telemetry_whatif: bool = True) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -190,6 +191,13 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     progress: a tqdm bar over the slice's steps on stderr.
     overrides: {scope pattern: policy} every recipe is bound with (e.g. a head kept in
       f32: {"*head*": "f32"}); part of the study's identity.
+    telemetry: numerics telemetry every this many steps (0: off): each cell's
+      telemetry.jsonl gets every GEMM operand, cotangent and result's statistics
+      (precision.numerics.TensorStats) and the monitors (max logits, log Z, update/param
+      RMS, updates lost to rounding, Adam's RMS(g^2/v)); the report adds the first
+      anomaly, the worst tensors and a heatmap per recipe. Measured by a separate
+      program on the state before the step: the trajectory is the same with it off.
+    telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -207,9 +215,13 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   k, n = parse_shard(shard)
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   check_int("timing_rounds", timing_rounds, 0)
+  check_int("telemetry", telemetry, 0)
+  if not isinstance(telemetry_whatif, bool):
+    raise ValueError(f"telemetry_whatif={telemetry_whatif!r}; accepted: True or False")
   pre = _Preflight(task, cfg)
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
-                                 cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides)
+                                 cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides,
+                                 telemetry, telemetry_whatif)
   _check_out(out, identity(cfg, task, pre.digest), {
       "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
       "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps)})

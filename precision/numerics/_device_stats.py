@@ -1,0 +1,187 @@
+"""The statistics of precision.numerics.TensorStats computed on the device, in jnp.
+
+The same definitions as the host-side numpy version (precision.numerics._stats, which is
+the reference the tests hold this one to), computed inside a compiled program so a
+training step can measure every GEMM tensor without copying it to the host:
+
+* Rounding to bf16, f16 and E5M2 is `lax.reduce_precision` (IEEE semantics, subnormals
+  kept, overflow to inf), which XLA never removes; a convert pair f32 -> bf16 -> f32 may
+  be folded away where XLA allows excess precision. E4M3 (float8_e4m3fn: no inf, max
+  448) has no reduce_precision equivalent and is rounded by a convert there and back.
+* Sums run in f32 (the device has no f64 without jax_enable_x64). SQNR of a tensor whose
+  squares would overflow f32 is taken on its values divided by its amax (the ratio is
+  unchanged; errors below f32's normal range then count as 0, so such a tensor's SQNR
+  above ~300 dB reads as inf). x - round(x) is exact in f32 for every format here (the rounding only
+  drops low bits of x), so the noise terms carry no extra rounding.
+* Counts are int32 sums: exact for tensors of up to 2**31 - 1 elements.
+* A device that flushes f32 subnormals (XLA:CPU in compiled code) measures values below
+  f32's smallest normal (1.2e-38) as zeros; only bf16's own subnormals live there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from precision import formats
+from precision.numerics import _stats
+
+# The order of the statistics in the vector `tensor_stats` returns (after `size`, which is
+# static): the fields of TensorStats from `nonzero` on.
+BASE_FIELDS = ("nonzero", "nonfinite", "zeros", "amax", "amin_nonzero",
+               "dynamic_range_bits", "underflow", "subnormal", "overflow", "saturated",
+               "sqnr_db")
+WHATIF_FIELDS = tuple(f"whatif_{prefix}_{stat}" for prefix, _, _ in _stats.WHATIF
+                      for stat in _stats.WHATIF_STATS)
+FIELDS = BASE_FIELDS + WHATIF_FIELDS
+
+# (exponent bits, mantissa bits, smallest subnormal) of the IEEE-like formats rounded by
+# reduce_precision in their normal range and by hand below it (XLA's reduce_precision
+# flushes results below the target's normal range to zero).
+_REDUCE = {np.dtype(jnp.bfloat16): (8, 7, None), np.dtype(jnp.float16): (5, 10, 2.0 ** -24),
+           np.dtype(jnp.float8_e5m2): (5, 2, 2.0 ** -16)}
+
+
+def round_to(x32: jnp.ndarray, dtype) -> jnp.ndarray:
+  """x32 (f32) rounded to nearest-even in `dtype` (subnormals kept, overflow to inf;
+  E4M3 to NaN as its convert does), returned in f32."""
+  dtype = np.dtype(dtype)
+  if dtype.itemsize >= 4:
+    return x32
+  if dtype in _REDUCE:
+    e, m, tiny = _REDUCE[dtype]
+    r = lax.reduce_precision(x32, exponent_bits=e, mantissa_bits=m)
+    if tiny is None:   # bf16: its subnormals are f32's, below what training values reach
+      return r
+    # Below the smallest normal the format's values are the multiples of its smallest
+    # subnormal: x / tiny is exact (a power-of-two scaling) and jnp.round ties to even.
+    sub = jnp.round(x32 / np.float32(tiny)) * np.float32(tiny)
+    return jnp.where(jnp.abs(x32) < np.float32(formats.info(dtype).smallest_normal), sub, r)
+  return x32.astype(dtype).astype(jnp.float32)
+
+
+def _seg_sum(x, seg, n):
+  return jax.ops.segment_sum(x, seg, num_segments=n, indices_are_sorted=True)
+
+
+def _count(mask, seg, n):
+  return _seg_sum(mask.astype(jnp.int32), seg, n)
+
+
+def _frac(count, total):
+  return jnp.where(total > 0, count.astype(jnp.float32)
+                   / jnp.maximum(total, 1).astype(jnp.float32), 0.0)
+
+
+def _rounding(x32, r, nz, n, inv, seg, k, fp8_max) -> list:
+  """[underflow, subnormal, overflow, saturated, sqnr_db] per tensor of the elements under
+  `nz`, `r` the rounding of x32 (both scaled alike), `inv` 1/amax per element;
+  `fp8_max` the fp8 max per element (0 where the format is not fp8; None: no fp8 format,
+  saturated is 0); also the finiteness and magnitude of `r`."""
+  finite_r = jnp.isfinite(r)
+  mag = jnp.abs(r)
+  underflow = _frac(_count(nz & (r == 0), seg, k), n)
+  overflow = _frac(_count(nz & ~finite_r, seg, k), n)
+  if fp8_max is None:
+    saturated = jnp.zeros((k,), jnp.float32)
+  else:
+    saturated = _frac(_count(nz & (fp8_max > 0) & (mag == fp8_max), seg, k), n)
+  s = jnp.where(nz, x32 * inv, 0.0)
+  e = jnp.where(nz & finite_r, (x32 - r) * inv, 0.0)
+  signal, noise = _seg_sum(s * s, seg, k), _seg_sum(e * e, seg, k)
+  sqnr = jnp.where(noise > 0, 10.0 * jnp.log10(signal / jnp.where(noise > 0, noise, 1.0)),
+                   jnp.inf)
+  sqnr = jnp.where(overflow > 0, -jnp.inf, jnp.where(n > 0, sqnr, jnp.inf))
+  return [underflow, overflow, saturated, sqnr, finite_r, mag]
+
+
+def _normaliser(amax):
+  """What SQNR's sums multiply each value by: 1/amax for tensors whose squares would
+  overflow f32 (amax > 2**60), else 1 (dividing small tensors by their amax would push
+  the errors of their smallest elements into f32's flushed subnormals)."""
+  big = amax > np.float32(2.0 ** 60)
+  return jnp.where(big, 1.0 / jnp.where(big, amax, 1.0), np.float32(1.0))
+
+
+def _current_scale(amax, dtype):
+  """precision.numerics._stats.current_scale on the device: fp8 max / amax in f32, 1 when
+  amax is 0 or not finite."""
+  ok = (amax > 0) & jnp.isfinite(amax)
+  return jnp.where(ok, np.float32(formats.info(dtype).max) / jnp.where(ok, amax, 1.0),
+                   np.float32(1.0))
+
+
+def batch_stats(values, dtypes, whatif: bool = True) -> jnp.ndarray:
+  """The statistics of each tensor `values[i]` rounded to `dtypes[i]`, as f32
+  [len(values), len(FIELDS)] (BASE_FIELDS only when `whatif` is False). Definitions:
+  precision.numerics.TensorStats.
+
+  All tensors are measured in one pass over their concatenation (segment sums by tensor),
+  so the program has a fixed number of operations whatever the number of tensors; it
+  holds one f32 copy of every tensor while it runs.
+  """
+  k = len(values)
+  fields = FIELDS if whatif else BASE_FIELDS
+  if k == 0:
+    return jnp.zeros((0, len(fields)), jnp.float32)
+  dtypes = [np.dtype(d) for d in dtypes]
+  sizes = [int(np.prod(np.shape(v))) for v in values]
+  # The tensor of each element. Behind an optimization barrier: XLA would otherwise try to
+  # constant-fold the segment sums of masks that are constant (seconds per sum).
+  seg = lax.optimization_barrier(jnp.asarray(np.repeat(np.arange(k, dtype=np.int32), sizes)))
+  x32 = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in values])
+  size = jnp.asarray(np.asarray(sizes, np.int32))
+  finite = jnp.isfinite(x32)
+  nz = finite & (x32 != 0)
+  n = _count(nz, seg, k)
+  mag = jnp.where(nz, jnp.abs(x32), 0.0)
+  amax = jax.ops.segment_max(mag, seg, num_segments=k, indices_are_sorted=True)
+  amax = jnp.where(n > 0, amax, 0.0)
+  amin = jax.ops.segment_min(jnp.where(nz, mag, jnp.inf), seg, num_segments=k,
+                             indices_are_sorted=True)
+  amin = jnp.where(n > 0, amin, 0.0)
+  drange = jnp.where(n > 0, jnp.log2(jnp.where(n > 0, amax, 1.0))
+                     - jnp.log2(jnp.where(n > 0, amin, 1.0)), 0.0)
+  inv_t = _normaliser(amax)
+  # The format each element is rounded to: one rounding per distinct dtype, selected.
+  kinds = sorted(set(dtypes), key=str)
+  dtype_of = np.repeat(np.asarray([kinds.index(d) for d in dtypes], np.int32), sizes)
+  r = x32
+  fp8_max = np.zeros(len(kinds), np.float32)
+  smallest = np.zeros(len(kinds), np.float32)
+  for j, d in enumerate(kinds):
+    if d.itemsize < 4:
+      r = jnp.where(jnp.asarray(dtype_of == j), round_to(x32, d), r)
+      smallest[j] = formats.info(d).smallest_normal
+      if _stats.is_fp8(d):
+        fp8_max[j] = formats.info(d).max
+  per_elem = jnp.asarray(dtype_of)
+  underflow, overflow, saturated, sqnr, finite_r, rmag = _rounding(
+      x32, r, nz, n, inv_t[seg], seg, k,
+      jnp.asarray(fp8_max)[per_elem] if fp8_max.any() else None)
+  subnormal = _frac(_count(nz & finite_r & (r != 0)
+                           & (rmag < jnp.asarray(smallest)[per_elem]), seg, k), n)
+  out = [n.astype(jnp.float32), _frac(_count(~finite, seg, k), size),
+         _frac(_count(x32 == 0, seg, k), size), amax, amin, drange,
+         underflow, subnormal, overflow, saturated, sqnr]
+  if whatif:
+    for _, fmt, scaled in _stats.WHATIF:
+      if scaled:
+        scale_t = _current_scale(amax, fmt)
+        v = x32 * scale_t[seg]
+        a = amax * scale_t
+      else:
+        v, a = x32, amax
+      inv = _normaliser(a)
+      u, o, _, q, _, _ = _rounding(v, round_to(v, fmt), nz, n, inv[seg], seg, k, None)
+      out += [u, o, q]
+  return jnp.stack([jnp.asarray(c, jnp.float32) for c in out], axis=1)
+
+
+def tensor_stats(x, dtype, whatif: bool = True) -> jnp.ndarray:
+  """batch_stats of one tensor: an f32 vector in the order of FIELDS."""
+  return batch_stats([x], [dtype], whatif)[0]
