@@ -20,7 +20,6 @@ training step can measure every GEMM tensor without copying it to the host:
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
