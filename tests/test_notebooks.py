@@ -25,9 +25,10 @@ NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_formats_and_swamping", "02_policies_and_audit", "03_f16_loss_scaling",
             "04_stochastic_rounding", "05_fp8_scaling", "06_zero_memory",
-            "07_study_your_own_model")
+            "07_study_your_own_model", "08_why_did_it_diverge")
 # Start order: the longest first, so the two workers finish together.
-LONGEST_FIRST = ("07_study_your_own_model", "06_zero_memory", "02_policies_and_audit")
+LONGEST_FIRST = ("07_study_your_own_model", "08_why_did_it_diverge", "06_zero_memory",
+                 "02_policies_and_audit")
 WORKERS = 2
 CELL_TIMEOUT_S = 300
 
@@ -89,6 +90,9 @@ def test_committed_clean_and_quick_aware(path):
   assert first.index("enable_faithful_rounding()") < first.index("import jax\n")
 
 
+# Slow (CI runs the slow set after the fast one): the eight kernels take about three
+# minutes of this 2-core machine.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED)
 def test_notebook_executes(name, executed):
   result = executed[name]
