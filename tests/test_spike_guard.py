@@ -316,3 +316,47 @@ def test_train_step_passes_the_loss():
     assert bit_identical(nnx.state(model, nnx.Param), before) == (t == 10), t
     opt = new
   assert int(mp.optim.spike_metrics(opt)["spike_skipped_steps"]) == 1
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_data_parallel_skips_alike_on_every_rank(stage):
+  """The optimizer gets the global mean loss, and (stages 1-3) the guard's grad norm is
+  reduced over the shards: every rank skips the spike, and the result is the single-device
+  one on the same global batches."""
+  from precision import parallel
+  recipe = _recipe("bf16_master", mp.SpikeGuardConfig(window=8, threshold=4.0))
+  mesh = jax.make_mesh((8,), ("data",))
+
+  def loss(params, batch):
+    out = jnp.dot(batch["x"].astype(params["w"].dtype), params["w"],
+                  preferred_element_type=jnp.float32)
+    return jnp.mean(jnp.square(out - batch["y"]))
+
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.standard_normal((16, 5)).astype(np.float32),
+              "y": rng.standard_normal((16, 3)).astype(np.float32) * (30.0 if t == 10 else 1.0)}
+             for t in range(12)]
+  params = {"w": np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3)}
+  dp = parallel.data_parallel(loss, optax.sgd(0.02), mesh, zero_stage=stage, recipe=recipe)
+  state, skipped = dp.init(params), []
+  tx = mp.optim.build_optimizer(recipe, optax.sgd(0.02))
+  p1 = recipe.policy.cast_to_param(jax.tree.map(jnp.asarray, params))
+  o1 = tx.init(p1)
+  for batch in batches:
+    state, metrics = dp.step(state, dp.shard_batch(batch))
+    skipped.append(int(metrics["spike_skipped_steps"]))
+    l, g = jax.value_and_grad(lambda p: loss(p, batch))(p1)
+    u, o1 = tx.update(g, o1, p1, value=l)
+    p1 = mp.optim.apply_updates(p1, u)
+  assert skipped[9] == 0 and skipped[10:] == [1, 1]
+  assert int(o1.skipped_steps) == 1
+  full = dp.params(state)["w"]
+  # Every rank holds the same params and the same replicated state (windows, counters).
+  for leaf in [full] + [x for x in jax.tree.leaves(state.opt_state)
+                        if x.sharding.is_fully_replicated]:
+    first = np.asarray(leaf.addressable_shards[0].data)
+    for shard in leaf.addressable_shards[1:]:
+      assert bit_identical(np.asarray(shard.data), first)
+  # f32 reductions in another order than one device: close, not bitwise.
+  np.testing.assert_allclose(np.asarray(full, np.float32), np.asarray(p1["w"], np.float32),
+                             rtol=2e-2, atol=2e-2)
