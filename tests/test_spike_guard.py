@@ -360,3 +360,44 @@ def test_data_parallel_skips_alike_on_every_rank(stage):
   # f32 reductions in another order than one device: close, not bitwise.
   np.testing.assert_allclose(np.asarray(full, np.float32), np.asarray(p1["w"], np.float32),
                              rtol=2e-2, atol=2e-2)
+
+
+def test_value_reaches_inner_transformations_that_take_it_and_no_other():
+  seen = {}
+
+  def strict_update(updates, state, params=None):         # takes no extra arguments
+    return updates, state
+
+  def value_update(updates, state, params=None, *, value=None):
+    seen["value"] = value
+    return updates, state
+
+  params = {"w": jnp.ones((2,), jnp.float32)}
+  for update, expect in ((strict_update, None), (value_update, 3.0)):
+    seen.clear()
+    inner = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+    tx = mp.optim.spike_guard(inner)
+    tx.update(params, tx.init(params), params, value=jnp.float32(3.0))
+    assert (None if not seen else float(seen["value"])) == expect
+  # An extra-args inner (optax.contrib.reduce_on_plateau reads the loss) gets it too.
+  tx = mp.optim.spike_guard(optax.chain(optax.sgd(1.0),
+                                        optax.contrib.reduce_on_plateau(patience=0)))
+  opt = tx.init(params)
+  for loss in (1.0, 2.0, 3.0):
+    _, opt = tx.update(params, opt, params, value=jnp.float32(loss))
+  assert float(opt.inner_state[1].scale) < 1.0             # the plateau saw rising losses
+
+
+def test_train_step_calls_other_transformations_as_before():
+  """A transformation that is not GradientTransformationExtraArgs gets no `value`: its
+  update, which takes none, would raise if it did."""
+  from flax import nnx
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  tx = mp.optim.build_optimizer("fp32", optax.sgd(0.1))
+  assert not isinstance(tx, optax.GradientTransformationExtraArgs)
+  strict = optax.GradientTransformation(tx.init, lambda u, s, p=None: tx.update(u, s, p))
+  opt = strict.init(nnx.state(model, nnx.Param))
+  x = jnp.ones((4, 3), jnp.float32)
+  loss, _ = mp.train_step(model, strict, opt, lambda m, x: jnp.mean(m(x) ** 2), x)
+  assert np.isfinite(float(loss))
+  assert mp.bind(_recipe("fp32")).recipe.spike_guard == SG  # a spike recipe binds to a Plan

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from precision._recipe import SpikeGuardConfig
@@ -119,15 +120,17 @@ def spike_guard(inner: optax.GradientTransformation, *, window: int = 100,
     state unchanged, window unchanged) unless `max_consecutive` spikes were skipped since
     the last step that entered the window: then it is applied and enters the window,
     so a lasting jump in the loss becomes the new baseline after at most
-    `max_consecutive` skips in a row. Every step that is applied enters the window.
+    `max_consecutive` skips in a row. Every measured step that is applied enters the
+    window.
 
   Args:
     inner: the optimizer to guard, e.g. ``loss_scaling(...)`` (`build_optimizer` wraps its
       whole chain when ``Recipe.spike_guard`` is set). `value` and `extra` are passed on
       when `inner` takes them (GradientTransformationExtraArgs, a `value` keyword).
     window: steps kept, in [2, 65536]; the state holds 2 * window f32 values.
-    threshold: z above which a step is a spike, > 0. The default 6 skips about 2e-8 of
-      steps on Gaussian noise; real loss noise is heavier-tailed, hence the margin.
+    threshold: z above which a step is a spike, > 0. At the default 6 a Gaussian-noise
+      z-score fires with probability about 2e-8 (window 100); real loss noise is
+      heavier-tailed, hence the margin.
     max_consecutive: spike skips in a row before a spike is applied anyway, >= 0 (0:
       measure z-scores, never skip).
     min_history: window values before the first z-score, in [2, window]; None:
@@ -147,13 +150,13 @@ def spike_guard(inner: optax.GradientTransformation, *, window: int = 100,
   forwarded = _forwarded(inner)
   inner = _compat.compat(inner)
   size, history = cfg.window, cfg.history
-  limit, thresh = cfg.max_consecutive, jnp.float32(cfg.threshold)
+  limit, thresh = cfg.max_consecutive, np.float32(cfg.threshold)
 
   def init_fn(params):
     zi = jnp.zeros((), jnp.int32)
     nan = jnp.full((), jnp.nan, jnp.float32)
-    buf = jnp.zeros((size,), jnp.float32)
-    return SpikeGuardState(inner.init(params), buf, buf, zi, zi, zi, zi, nan, nan,
+    losses, norms = jnp.zeros((size,), jnp.float32), jnp.zeros((size,), jnp.float32)
+    return SpikeGuardState(inner.init(params), losses, norms, zi, zi, zi, zi, nan, nan,
                            jnp.zeros((), jnp.float32))
 
   def update_fn(updates, state, params=None, *, value=None, **extra):
