@@ -401,3 +401,27 @@ def test_train_step_calls_other_transformations_as_before():
   loss, _ = mp.train_step(model, strict, opt, lambda m, x: jnp.mean(m(x) ** 2), x)
   assert np.isfinite(float(loss))
   assert mp.bind(_recipe("fp32")).recipe.spike_guard == SG  # a spike recipe binds to a Plan
+
+
+def test_study_step_passes_the_loss():
+  """A study cell (a param-pytree task) under a spike-guard recipe: its step hands the
+  loss to the optimizer, and the metrics carry the spike counters."""
+  import itertools
+  import os
+  from precision import study
+  from precision.study import _models
+  path = os.path.join(os.path.dirname(__file__), "study_tasks", "params_mlp.py:task")
+  recipe = _recipe("bf16_mixed", mp.SpikeGuardConfig(window=8, threshold=4.0))
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+    task = study.load_task(path)
+    program = _models.build(task, recipe, seed=0)
+    state, counts = program.state, []
+    for t, batch in enumerate(itertools.islice(task.batches(0), 12)):
+      if t == 10:
+        batch = {**batch, "y": batch["y"] * 100.0}
+      before = jax.tree.map(np.asarray, state.params)     # the step donates its state
+      state, metrics = program.step(state, batch, jnp.int32(t))
+      counts.append(int(metrics["spike_skipped_steps"]))
+      assert bit_identical(jax.tree.map(np.asarray, state.params), before) == (t == 10), t
+  assert counts[9] == 0 and counts[10:] == [1, 1]
+  assert int(metrics["skipped_steps"]) == 1 and int(metrics["spike_window"]) == 8

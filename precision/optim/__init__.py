@@ -18,6 +18,9 @@ without reading the scale warns once, `UnscaledGradientsWarning`):
   >>> updates, opt_state = tx.update(grads, opt_state, params)
   >>> params = apply_updates(params, updates)
   >>> metrics = optimizer_metrics(opt_state)
+A spike-guarded optimizer (`spike_guard`, ``Recipe.spike_guard``) is an optax
+GradientTransformationExtraArgs whose update also takes the loss,
+``tx.update(grads, opt_state, params, value=loss)``; the train steps above pass it.
 """
 
 from precision.optim._apply import apply_updates
