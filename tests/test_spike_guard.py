@@ -425,3 +425,15 @@ def test_study_step_passes_the_loss():
       assert bit_identical(jax.tree.map(np.asarray, state.params), before) == (t == 10), t
   assert counts[9] == 0 and counts[10:] == [1, 1]
   assert int(metrics["skipped_steps"]) == 1 and int(metrics["spike_window"]) == 8
+
+
+def test_the_skip_is_a_select_not_a_cond():
+  """No conditional in the update (on GPU a cond reads its predicate on the host)."""
+  recipe = _recipe("f16_mixed")
+  tx = mp.optim.build_optimizer(recipe, optax.adam(1e-2))
+  params = _params(recipe)
+  opt = tx.init(params)
+  grads, loss = _inputs(0, opt, params)
+  text = str(jax.make_jaxpr(lambda g, o, p, v: tx.update(g, o, p, value=v))(
+      grads, opt, params, loss))                       # nested jaxprs are printed inline
+  assert "select_n" in text and "cond[" not in text and "while[" not in text
