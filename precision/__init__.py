@@ -39,6 +39,7 @@ from precision._recipe import Fp8Config
 from precision._recipe import LossScaleConfig
 from precision._recipe import PRESETS
 from precision._recipe import Recipe
+from precision._recipe import SpikeGuardConfig
 from precision._recipe import get_recipe
 from precision._state import TrainState
 from precision._train import train_step
@@ -71,6 +72,7 @@ __all__ = [
     "PrecisionViolation",
     "Policy",
     "Recipe",
+    "SpikeGuardConfig",
     "TrainState",
     "cast_floating",
     "checkpoint",

@@ -4,16 +4,19 @@ A Recipe says which dtype each tensor lives in and each op computes in (the modu
 Policy), how the optimizer keeps its state (master copy, moment dtypes), how updates are
 rounded back into the params, how the loss is scaled, in which dtype gradients are reduced
 across devices, how fp8 GEMMs are scaled, and which ops stay in f32. It serialises to a
-JSON-safe dict stored in every checkpoint.
+JSON-safe dict stored in every checkpoint. It may also turn on loss-spike skipping
+(SpikeGuardConfig).
 
-Every field is validated when a Recipe (or LossScaleConfig / Fp8Config) is built: exact
-types, ranges, finite numbers, scales that are finite non-zero f32 values. Each error is a
-ValueError naming the field's path (``loss_scale.initial_scale``, ``fp8.weight_block``),
-the value and what is accepted. `Recipe.from_dict` is schema-strict on top of that: the
-dict must have exactly the fields `to_dict` writes, no more, no fewer.
+Every field is validated when a Recipe (or LossScaleConfig / Fp8Config /
+SpikeGuardConfig) is built: exact types, ranges, finite numbers, scales that are finite
+non-zero f32 values. Each error is a ValueError naming the field's path
+(``loss_scale.initial_scale``, ``fp8.weight_block``), the value and what is accepted.
+`Recipe.from_dict` is schema-strict on top of that: the dict must have exactly the fields
+`to_dict` writes, no more, no fewer.
 
-Size: every field of Recipe, LossScaleConfig and Fp8Config with its validation and JSON
-round trip; the presets are defined here so they are validated like user recipes.
+Size: every field of Recipe, LossScaleConfig, Fp8Config and SpikeGuardConfig with its
+validation and JSON round trip; the presets are defined here so they are validated like
+user recipes.
 """
 
 from __future__ import annotations
@@ -353,6 +356,65 @@ class Fp8Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpikeGuardConfig:
+  """Loss-spike skipping (`precision.optim.spike_guard`): the settings a Recipe turns on.
+
+  A step is skipped when the z-score of its loss or of its global grad norm, against the
+  last `window` accepted steps, exceeds `threshold` (one-sided: only increases count);
+  no z-score is computed before `min_history` values are in the window (None: the
+  smaller of 20 and `window`), and after `max_consecutive` spike skips in a row the next
+  step is applied whatever its z-scores and enters the window (0: never skip, only
+  measure). `window` in [2, 65536], `threshold` a finite number > 0 (checked as f32),
+  `max_consecutive` in [0, 2**31 - 1], `min_history` None or in [2, window].
+
+  Examples:
+    >>> SpikeGuardConfig(window=200, threshold=5.0)
+    >>> get_recipe("bf16_master").replace(name="bf16_sg", spike_guard=SpikeGuardConfig())
+  """
+
+  window: int = 100
+  threshold: float = 6.0
+  max_consecutive: int = 10
+  min_history: int | None = None
+
+  def __post_init__(self):
+    self._validate("spike_guard")
+
+  def _validate(self, path: str) -> None:
+    _set(self, "window", _check_int(f"{path}.window", self.window, 2, 65536))
+    _set(self, "threshold", _check_f32(
+        f"{path}.threshold", self.threshold, lo=0.0, hi=_F32_MAX, lo_open=True,
+        what="a finite number > 0 (checked as f32), e.g. 6.0"))
+    _set(self, "max_consecutive", _check_int(f"{path}.max_consecutive",
+                                             self.max_consecutive, 0, _INT32_MAX))
+    if self.min_history is not None:
+      if isinstance(self.min_history, (bool, np.bool_)) or not isinstance(
+          self.min_history, numbers.Integral) or not 2 <= int(self.min_history) <= self.window:
+        raise _bad(f"{path}.min_history", self.min_history,
+                   f"None (min(20, window)) or an integer in [2, {path}.window={self.window}]")
+      _set(self, "min_history", int(self.min_history))
+
+  @property
+  def history(self) -> int:
+    """The number of window values before the first z-score (`min_history` resolved)."""
+    return min(20, self.window) if self.min_history is None else self.min_history
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-safe dict of every field (`min_history` null when unset)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any], *, path: str = "spike_guard") -> SpikeGuardConfig:
+    """Schema-strict inverse of `to_dict`: exactly its fields, each validated.
+
+    Raises:
+      ValueError: naming the field path (e.g. ``spike_guard.window``), the value and what
+        is accepted.
+    """
+    return _config_from_dict(cls, d, path)
+
+
+@dataclasses.dataclass(frozen=True)
 class Recipe:
   """The whole training precision recipe.
 
@@ -362,7 +424,9 @@ class Recipe:
   `rounding` (nearest | stochastic | kahan); `loss_scale`; `fp8` (None or Fp8Config);
   `fp32_ops` (op names kept in f32); `allow_f16_without_loss_scale`; `fused` (the update
   is AdamW + stochastic rounding in one fused pass, `precision.optim.fused_adamw`: only
-  with ``rounding="stochastic"``, 16-bit params, f32 moments and no master or an f32 one).
+  with ``rounding="stochastic"``, 16-bit params, f32 moments and no master or an f32 one);
+  `spike_guard` (None or SpikeGuardConfig: loss-spike skipping around the optimizer,
+  `precision.optim.spike_guard`).
 
   Examples:
     >>> r = get_recipe("bf16_master")
@@ -384,6 +448,7 @@ class Recipe:
   fp32_ops: tuple[str, ...] = DEFAULT_FP32_OPS
   allow_f16_without_loss_scale: bool = False
   fused: bool = False
+  spike_guard: SpikeGuardConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.strip():
@@ -417,6 +482,11 @@ class Recipe:
       _set(self, "fp8", _config_from_kwargs(Fp8Config, self.fp8, "fp8"))
     if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
       raise _bad("fp8", self.fp8, "None, an Fp8Config or its dict")
+    if isinstance(self.spike_guard, dict):
+      _set(self, "spike_guard", _config_from_kwargs(SpikeGuardConfig, self.spike_guard,
+                                                    "spike_guard"))
+    if self.spike_guard is not None and not isinstance(self.spike_guard, SpikeGuardConfig):
+      raise _bad("spike_guard", self.spike_guard, "None, a SpikeGuardConfig or its dict")
     # The list's shape here (a list of distinct non-empty strings, never a bare string);
     # which names exist, in precision._fp32_ops (each name maps to JAX primitives).
     _set(self, "fp32_ops", check_names(_check_names("fp32_ops", self.fp32_ops, "op names"),
@@ -496,6 +566,10 @@ class Recipe:
     text = "; ".join(parts) + "."
     if self.fused:
       text = text[:-1] + "; fused AdamW + stochastic rounding kernel."
+    if self.spike_guard is not None:
+      sg = self.spike_guard
+      text = text[:-1] + (f"; loss-spike steps skipped (z > {sg.threshold:g} over the last "
+                          f"{sg.window} steps, at most {sg.max_consecutive} in a row).")
     if self.swamping_risk:
       text += (" WARNING: swamping: 16-bit params with nearest rounding and no master copy "
                "lose updates smaller than half an ulp (bf16: 1.0 + 1e-5 == 1.0).")
@@ -507,8 +581,9 @@ class Recipe:
   def to_dict(self) -> dict[str, Any]:
     """JSON-safe dict; ``Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r``.
 
-    "fused" is written only when True: the dict of every unfused recipe is the one written
-    before the field existed (checkpoints and study identities compare these dicts).
+    "fused" is written only when True and "spike_guard" only when set: the dict of every
+    recipe without them is the one written before the fields existed (checkpoints and
+    study identities compare these dicts).
     """
     d = {
         "schema": SCHEMA_VERSION,
@@ -526,6 +601,8 @@ class Recipe:
     }
     if self.fused:
       d["fused"] = True
+    if self.spike_guard is not None:
+      d["spike_guard"] = self.spike_guard.to_dict()
     return d
 
   @classmethod
@@ -537,7 +614,9 @@ class Recipe:
     (a string where a list belongs, an int where a bool belongs, 2000.0 for an integer and
     None for a dtype are refused), numbers finite and in range, scales finite non-zero f32.
     The "schema" key is the layout version: 1, or absent in dicts written before it
-    existed (those hold the same fields). "fused" is optional: absent reads as False.
+    existed (those hold the same fields). "fused" is optional: absent reads as False;
+    so is "spike_guard": absent (or null) reads as None, a dict must hold exactly the
+    fields of SpikeGuardConfig.
 
     Raises:
       ValueError: naming the field path (``fp8.margin``, ``fp32_ops[2]``), the value and
@@ -546,7 +625,7 @@ class Recipe:
     Examples:
       >>> Recipe.from_dict(json.load(open("recipe.json")))
     """
-    _check_keys("", d, cls, optional=("schema", "fused"))
+    _check_keys("", d, cls, optional=("schema", "fused", "spike_guard"))
     if "schema" in d and (type(d["schema"]) is not int or d["schema"] != SCHEMA_VERSION):
       raise _bad("schema", d["schema"], f"{SCHEMA_VERSION} (this version's layout), or absent")
     if not isinstance(d["policy"], str):
@@ -558,13 +637,17 @@ class Recipe:
       raise _bad("master_dtype", d["master_dtype"], "null or " + ", ".join(MASTER_DTYPES))
     loss_scale = LossScaleConfig.from_dict(d["loss_scale"])
     fp8 = None if d["fp8"] is None else Fp8Config.from_dict(d["fp8"])
-    kwargs = {k: v for k, v in d.items() if k not in ("schema", "loss_scale", "fp8")}
-    return cls(loss_scale=loss_scale, fp8=fp8, **kwargs)
+    spike = d.get("spike_guard")
+    spike = None if spike is None else SpikeGuardConfig.from_dict(spike)
+    kwargs = {k: v for k, v in d.items()
+              if k not in ("schema", "loss_scale", "fp8", "spike_guard")}
+    return cls(loss_scale=loss_scale, fp8=fp8, spike_guard=spike, **kwargs)
 
 
 def _config_from_kwargs(cls: type, d: dict[str, Any], path: str) -> Any:
-  """A LossScaleConfig / Fp8Config from a partial dict of keyword arguments (constructor
-  convenience: missing fields take their defaults; unknown ones are an error)."""
+  """A LossScaleConfig / Fp8Config / SpikeGuardConfig from a partial dict of keyword
+  arguments (constructor convenience: missing fields take their defaults; unknown ones
+  are an error)."""
   fields = [f.name for f in dataclasses.fields(cls)]
   unknown = sorted(str(k) for k in set(d) - set(fields))
   if unknown:

@@ -130,7 +130,9 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   params), the new params written into `model`; when the optimizer's guard skipped the
   step (non-finite grads), the fp8 scaling state is rolled back with it
   (`precision.fp8.rollback_fp8_state`), so a skipped step leaves params, optimizer
-  state and fp8 state bit-identical. Other model state (e.g. BatchNorm statistics) keeps
+  state and fp8 state bit-identical. A `tx` that is an optax
+  GradientTransformationExtraArgs (a ``Recipe.spike_guard`` optimizer) gets the unscaled
+  loss as ``value=``. Other model state (e.g. BatchNorm statistics) keeps
   the step's update. Works eagerly and under `nnx.jit` (jit it yourself: see Examples).
 
   Args:
@@ -168,7 +170,10 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   before = jax.tree.map(lambda x: x, nnx.state(model, fp8.Fp8State)) if has_fp8 else None
   params = nnx.state(model, nnx.Param)
   loss, grads = value_and_grad(loss_fn, opt_state)(model, *args, **kwargs)
-  updates, new_opt_state = tx.update(grads, opt_state, params)
+  # optax's convention: a transformation taking extra arguments (a spike guard) gets the
+  # unscaled loss as `value`; any other is called exactly as before.
+  extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+  updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
   nnx.update(model, optim.apply_updates(params, updates))
   if has_fp8:
     skipped = optim.step_skipped(opt_state, new_opt_state)

@@ -2,7 +2,8 @@
 
 Master weights (`master_weights`, `remainder_master_weights`), loss scaling
 (`loss_scaling` with NoOp/Static/DynamicLossScale or any `LossScale`; `all_finite`
-and `select_tree` as in jmp), non-finite skipping (`skip_nonfinite`),
+and `select_tree` as in jmp), non-finite skipping (`skip_nonfinite`), loss-spike
+skipping (`spike_guard`, read with `spike_metrics`),
 updates straight into 16-bit params (`stochastic_updates`, `kahan_updates`, `f32_update`,
 and `fused_adamw`, the fused AdamW + stochastic-rounding kernel of a ``fused=True`` recipe),
 moment dtypes (`moment_dtypes`), f32 global norm and clipping, and `build_optimizer`, which
@@ -17,6 +18,9 @@ without reading the scale warns once, `UnscaledGradientsWarning`):
   >>> updates, opt_state = tx.update(grads, opt_state, params)
   >>> params = apply_updates(params, updates)
   >>> metrics = optimizer_metrics(opt_state)
+A spike-guarded optimizer (`spike_guard`, ``Recipe.spike_guard``) is an optax
+GradientTransformationExtraArgs whose update also takes the loss,
+``tx.update(grads, opt_state, params, value=loss)``; the train steps above pass it.
 """
 
 from precision.optim._apply import apply_updates
@@ -49,11 +53,14 @@ from precision.optim._moments import moment_dtypes
 from precision.optim._query import loss_scale_of
 from precision.optim._query import master_params
 from precision.optim._query import optimizer_metrics
+from precision.optim._query import spike_metrics
 from precision.optim._query import step_skipped
 from precision.optim._remainder import RemainderState
 from precision.optim._remainder import merge_master
 from precision.optim._remainder import remainder_master_weights
 from precision.optim._remainder import split_master
+from precision.optim._spike import SpikeGuardState
+from precision.optim._spike import spike_guard
 from precision.optim._tree import all_finite
 from precision.optim._tree import select_tree
 
@@ -66,6 +73,7 @@ __all__ = [
     "NoOpLossScale",
     "NonFiniteStreakError",
     "RemainderState",
+    "SpikeGuardState",
     "StaticLossScale",
     "StochasticState",
     "UnscaledGradientsWarning",
@@ -92,6 +100,8 @@ __all__ = [
     "scaled_value_and_grad",
     "select_tree",
     "skip_nonfinite",
+    "spike_guard",
+    "spike_metrics",
     "split_master",
     "step_skipped",
     "stochastic_updates",

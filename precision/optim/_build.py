@@ -20,6 +20,7 @@ from precision.optim import _loss_scale
 from precision.optim import _master
 from precision.optim import _moments
 from precision.optim import _query
+from precision.optim import _spike
 
 _F32 = np.dtype(np.float32)
 
@@ -37,7 +38,10 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
        `stochastic_updates`, `kahan_updates`, or f32 updates rounded to nearest
        (`f32_update`); f32 params take `inner`'s updates as they are;
     3. the guard: `loss_scaling` with the recipe's loss scale, or `skip_nonfinite` for
-       unscaled recipes; it keeps the counters and the f32 grad norm.
+       unscaled recipes; it keeps the counters and the f32 grad norm;
+    4. when ``recipe.spike_guard`` is set, `spike_guard` around all of it (its grad norm
+       is the guard's; ``update`` then needs ``value=loss``, which `precision.train_step`
+       passes).
   On the fp32 recipe the result is bit-identical to `inner` on finite grads. A recipe
   with ``fused=True`` takes ``inner=fused_adamw(...)``, which replaces steps 1 and 2 (its
   moments are f32; it keeps an f32 master when the recipe has one) and gets `seed` and
@@ -102,10 +106,18 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
 
 def _guarded(recipe: Recipe, tx: optax.GradientTransformation, axis_name: str | None
              ) -> optax.GradientTransformation:
-  """Step 3 of `build_optimizer`: the recipe's loss scaling or non-finite skipping."""
+  """Steps 3 and 4 of `build_optimizer`: the recipe's loss scaling or non-finite
+  skipping, then its spike guard."""
   if recipe.loss_scale.kind == "none":
-    return _guard.skip_nonfinite(tx, axis_name)
-  return _guard.loss_scaling(tx, _loss_scale.from_config(recipe.loss_scale), axis_name)
+    tx = _guard.skip_nonfinite(tx, axis_name)
+  else:
+    tx = _guard.loss_scaling(tx, _loss_scale.from_config(recipe.loss_scale), axis_name)
+  sg = recipe.spike_guard
+  if sg is None:
+    return tx
+  return _spike.spike_guard(tx, window=sg.window, threshold=sg.threshold,
+                            max_consecutive=sg.max_consecutive, min_history=sg.min_history,
+                            axis_name=axis_name)
 
 
 def scaled_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False

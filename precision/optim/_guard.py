@@ -144,10 +144,6 @@ def _loss_guard_bwd(finite, ct):
 nonfinite_loss_guard.defvjp(_loss_guard_fwd, _loss_guard_bwd)
 
 
-def _neg_zero_like(u):
-  return jnp.full(u.shape, -0.0, u.dtype) if _tree.is_float(u) else u
-
-
 def _guard(inner, loss_scale, axis_name, skip):
   inner = _compat.compat(inner)
 
@@ -169,7 +165,7 @@ def _guard(inner, loss_scale, axis_name, skip):
     norm = _clip.global_norm(grads, axis_name)
     updates, inner_state = inner.update(grads, state.inner_state, params)
     if skip:
-      updates = jax.tree.map(lambda u: jnp.where(finite, u, _neg_zero_like(u))
+      updates = jax.tree.map(lambda u: jnp.where(finite, u, _tree.neg_zero_like(u))
                              if _tree.is_float(u) else u, updates)
       inner_state = _tree.select(finite, inner_state, state.inner_state)
     one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)

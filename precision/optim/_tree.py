@@ -105,5 +105,11 @@ def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def neg_zero_like(u: Any) -> Any:
+  """-0.0 in the shape and dtype of floating `u` (other leaves pass through): the update
+  of a skipped step, since ``x + -0.0 == x`` bit for bit for every x, +-0.0 included."""
+  return jnp.full(u.shape, -0.0, u.dtype) if is_float(u) else u
+
+
 def dtype_of(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.dtype, tree)

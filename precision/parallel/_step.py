@@ -225,7 +225,12 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch,
     if stage == 3 and cfg.gather == "layer":
       _check_all_gathered(layout, gathered)
 
-  updates, opt_state = cfg.tx.update(grads, opt_state, shards)
+  extra = {}
+  if isinstance(cfg.tx, optax.GradientTransformationExtraArgs):
+    # A transformation taking extra arguments (a spike guard) gets the loss as `value`:
+    # the unscaled global mean, the same on every rank, so every rank decides alike.
+    extra["value"] = jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
+  updates, opt_state = cfg.tx.update(grads, opt_state, shards, **extra)
   shards = cfg.hooks.apply_updates(shards, updates)
   if stage in (1, 2):
     params = layout.map(
@@ -234,6 +239,6 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch,
     params = shards
   if cfg.fp8_state:
     fp8_state = _next_fp8_state(cfg, *fp8_out)
-  loss = jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
+  loss = extra["value"] if extra else jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
   metrics = {"loss": loss, **cfg.hooks.metrics(opt_state)}
   return params, opt_state, fp8_state, metrics

@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from flax.core import unfreeze
 
@@ -357,7 +358,9 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
           fp8_old, state.params, state.model_state["collections"], batch, rng, scale)
     else:
       (_, (loss, new_coll)), grads = vg(state.params, state.model_state, batch, rng, scale)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # A transformation taking extra arguments (a spike guard) gets the unscaled loss.
+    extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optim.apply_updates(state.params, updates)
     sat = None
     if has_fp8:
