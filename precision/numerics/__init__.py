@@ -14,6 +14,9 @@ Examples:
   >>> row.scope, row.direction, row.role          # ('head', 'bwd', 'cotangent')
 """
 
+from precision.numerics._bisect import BisectResult
+from precision.numerics._bisect import Replay
+from precision.numerics._bisect import bisect
 from precision.numerics._inspect import Captured
 from precision.numerics._inspect import capture
 from precision.numerics._inspect import inspect
@@ -24,12 +27,15 @@ from precision.numerics._report import STATISTICS
 from precision.numerics._report import TensorStats
 
 __all__ = [
+    "BisectResult",
     "Captured",
     "DEFAULT_THRESHOLDS",
     "NumericsReport",
+    "Replay",
     "STATISTICS",
     "TensorInfo",
     "TensorStats",
+    "bisect",
     "capture",
     "inspect",
 ]
