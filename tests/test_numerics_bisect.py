@@ -74,11 +74,12 @@ def batches(n, seed=1):
           for i in range(n)]
 
 
-def step_maker(loss, lr=3e-2, jit=False):
+def step_maker(loss, lr=3e-2):
   """make_step(recipe, overrides) of a user's training loop (Adam; eps tiny so that the
-  1e-10 gradients of a scaled-down cotangent still give full-size updates in f32).
-  Eager by default: every replay compiles a new program under jit (seconds each), while
-  eager ops are compiled once per process and reused by every replay."""
+  1e-10 gradients of a scaled-down cotangent still give full-size updates in f32), and
+  tx_of(recipe). Eager: under jit every replay would compile a new program (seconds
+  each), while eager ops are compiled once per process and reused (the study test
+  replays jitted steps)."""
   inner = optax.adam(lr, eps=1e-20)
 
   def make_step(recipe, overrides):
@@ -93,17 +94,19 @@ def step_maker(loss, lr=3e-2, jit=False):
       return state._replace(params=mp.optim.apply_updates(state.params, updates),
                             opt_state=opt), value
 
-    return (jax.jit(step) if jit else step), tx
+    return step
 
-  return (lambda recipe, overrides: make_step(recipe, overrides)[0]), (
-      lambda recipe: make_step(recipe, None)[1])
+  def tx_of(recipe):
+    return mp.optim.build_optimizer(mp.bind(recipe), inner)
+
+  return make_step, tx_of
 
 
-def original_run(tmp_path, loss, recipe, seed=0, jit=False):
+def original_run(tmp_path, loss, recipe, seed=0):
   """Trains SAVE_AT steps, saves a checkpoint, continues REPLAY steps (the original
   run's losses). Returns (make_step, initial state, ckpt dir, replayed batches, losses)."""
   with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
-    make_step, tx_of = step_maker(loss, jit=jit)
+    make_step, tx_of = step_maker(loss)
     params = init_params()
     state0 = mp.TrainState(params, tx_of(recipe).init(params), {}, None)
     step = make_step(recipe, None)
@@ -138,7 +141,9 @@ def test_underflowing_backward_cotangent_is_found(tmp_path):
   assert result.groups == LAYERS
   assert result.baseline_bit_identical is True and result.baseline_mismatch is None
   assert result.diverged and result.single and result.culprits == ("l0",)
-  assert result.n_replays <= single_bound(len(LAYERS))
+  # Halving {l0, l1} passes, then {l0} alone passes: no verifying replay.
+  assert [r.kind for r in result.replays] == ["baseline", "reference", "halve", "halve"]
+  assert result.n_replays == math.ceil(math.log2(len(LAYERS))) + 2
   assert [r.kind for r in result.replays[:2]] == ["baseline", "reference"]
   fixed = [r for r in result.replays if r.promoted == ("l0",)]
   assert fixed and fixed[0].within and fixed[0].max_gap <= TOL < result.replays[0].max_gap
@@ -151,19 +156,26 @@ def test_underflowing_backward_cotangent_is_found(tmp_path):
   assert "l0, backward GEMM cotangent, float16:" in text and "underflow" in text
 
 
-def test_overflowing_activation_is_found(tmp_path):
-  # f16 with dynamic loss scaling: the forward overflow of l2 makes every loss inf, and
-  # the guard skips the steps (the state before the checkpoint stays finite).
+@pytest.mark.parametrize("layer,kinds", [
+    # {l0, l1} fails, {l2} passes: found by halving alone.
+    ("l2", ["halve", "halve"]),
+    # {l0, l1} fails, {l2} fails: l3 is only inferred, so it is replayed alone.
+    ("l3", ["halve", "halve", "verify"]),
+])
+def test_overflowing_activation_is_found(tmp_path, layer, kinds):
+  # f16 with dynamic loss scaling: the forward overflow of `layer` makes every loss
+  # non-finite, and the guard skips the steps (the state saved stays finite).
   recipe = mp.get_recipe("f16_mixed")
-  loss = make_loss(big=("l2",))
+  loss = make_loss(big=(layer,))
   run = original_run(tmp_path, loss, recipe)
   result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
   assert not np.isfinite(run[-1]).any()
   assert result.baseline_bit_identical is True   # inf and NaN compared bit for bit
-  assert result.culprits == ("l2",) and result.single
+  assert result.culprits == (layer,) and result.single
+  assert [r.kind for r in result.replays] == ["baseline", "reference"] + kinds
   assert result.n_replays <= single_bound(len(LAYERS))
   worst = result.telemetry[0]
-  assert (worst.scope, worst.direction, worst.dtype) == ("l2", "fwd", "float16")
+  assert (worst.scope, worst.direction, worst.dtype) == (layer, "fwd", "float16")
   assert worst.overflow > 0
   assert "overflow" in str(result)
 
@@ -177,6 +189,8 @@ def test_two_layers_needed_no_false_culprit(tmp_path):
   for r in result.replays:   # no single group passed
     if len(r.promoted) == 1:
       assert not r.within
+  assert [r.kind for r in result.replays] == (
+      ["baseline", "reference", "halve", "halve", "verify", "all"] + ["shrink"] * 4)
   assert "no single group explains it" in str(result)
   n = len(LAYERS)
   assert result.n_replays <= math.ceil(math.log2(n)) + n + 4
@@ -200,6 +214,17 @@ def test_no_divergence_stops_after_two_replays(tmp_path):
   result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
   assert not result.diverged and result.culprits == () and result.n_replays == 2
   assert "no divergence" in str(result)
+
+
+def test_non_finite_reference_stops(tmp_path):
+  loss = make_loss(tiny_grad=("l0",))
+  make_step, state0, ckpt, data, losses = original_run(tmp_path, loss, F16_NO_SCALE)
+  data = [dict(b, x=jnp.full_like(b["x"], jnp.nan)) for b in data]
+  result = run_bisect(make_step, F16_NO_SCALE, state0, ckpt, data, None, loss)
+  assert result.n_replays == 2 and result.culprits == ()
+  assert result.baseline_bit_identical is None
+  assert "reference itself is not finite" in str(result)
+  assert "not compared with the original run" in str(result)
 
 
 def test_baseline_mismatch_is_reported(tmp_path):
@@ -260,3 +285,41 @@ def test_overrides_promote_exactly_the_group():
   assert _bisect.literal("a*/b[1]") == "a[*]/b[[]1[]]"
   with pytest.raises(ValueError, match="computes in f32 already"):
     _bisect.f32_counterpart(mp.get_recipe("fp32"))
+
+
+def _task(init_seed_offset=0):
+  def stream(seed):
+    i = 0
+    while True:
+      yield batches(1, seed=1000 * seed + i)[0]
+      i += 1
+
+  return mp.study.Task(init=lambda seed: init_params(seed + init_seed_offset),
+                       loss=make_loss(tiny_grad=("l0",)), batches=stream,
+                       optimizer=optax.adam(3e-2, eps=1e-20), name="mlp")
+
+
+@pytest.mark.slow
+def test_study_cell_is_bisected_from_its_checkpoint(tmp_path):
+  out = str(tmp_path / "study")
+  task = _task()
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+    mp.study.run(task, [F16_NO_SCALE], seeds=2, steps=SAVE_AT + REPLAY,
+                 save_every=SAVE_AT, out=out, timing_rounds=0, progress=False)
+    ckpt = f"{out}/cells/f16_no_scale__s1/ckpt"
+    result = mp.numerics.bisect(task, F16_NO_SCALE, checkpoint=ckpt, step=SAVE_AT,
+                                steps=REPLAY, tolerance=TOL, groups=["l0", "l1"])
+    assert result.start_step == SAVE_AT
+    # The original losses are the cell's steps.jsonl; the replay uses the study's step
+    # and the task's stream advanced to the checkpoint's step.
+    assert result.baseline_bit_identical is True
+    assert result.culprits == ("l0",) and result.n_replays == 3
+    assert result.telemetry[0].role == "cotangent"
+    with pytest.raises(ValueError, match="another run.*task digest"):
+      mp.numerics.bisect(_task(init_seed_offset=7), F16_NO_SCALE, checkpoint=ckpt,
+                         steps=REPLAY, tolerance=TOL)
+    with pytest.raises(ValueError, match="another run.*recipe"):
+      mp.numerics.bisect(task, "f16_mixed", checkpoint=ckpt, steps=REPLAY, tolerance=TOL)
+    with pytest.raises(ValueError, match="another run.*seed"):
+      mp.numerics.bisect(task, F16_NO_SCALE, checkpoint=ckpt, seed=0, steps=REPLAY,
+                         tolerance=TOL)

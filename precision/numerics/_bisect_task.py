@@ -5,8 +5,9 @@ A study cell's folder holds ``ckpt/`` (precision.checkpoint steps, saved with th
 and the seed), ``steps.jsonl`` (the loss of every step) and sits in a study folder whose
 ``study.json`` records a digest of the task (seed 0's initial params and first batch).
 The checkpoint is refused when its recipe or seed differ from the ones asked for, or when
-that digest is not this task's; the batches are the task's stream for the seed advanced
-to the checkpoint's step, as a resumed cell reads them.
+that digest is not this task's. The study's own overrides (study.json) stay in every
+replay, the promoted scopes' rules added to them. The batches are the task's stream for
+the seed advanced to the checkpoint's step, as a resumed cell reads them.
 """
 
 from __future__ import annotations
@@ -51,19 +52,22 @@ def task_digest(task) -> str:
   return h.hexdigest()
 
 
-def _check_study(task, directory: str) -> None:
-  """A checkpoint inside a study folder (<out>/cells/<cell>/ckpt) must be of this task."""
+def _study_overrides(task, directory: str) -> dict:
+  """The overrides the study trained every cell with ({} outside a study folder); a
+  checkpoint inside a study folder (<out>/cells/<cell>/ckpt) must be of this task."""
   out = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(directory))))
   path = os.path.join(out, "study.json")
   if not os.path.isfile(path):
-    return
+    return {}
   with open(path) as f:
-    recorded = json.load(f).get("identity", {}).get("task_digest")
+    identity = json.load(f).get("identity", {})
+  recorded = identity.get("task_digest")
   if recorded is not None and recorded != task_digest(task):
     raise ValueError(f"checkpoint={directory!r} is from another run: the study in {out} "
                      f"trained another task (its task digest {recorded[:12]}... differs "
                      "from this task's initial params and first batch); accepted: a "
                      "checkpoint of this task")
+  return {str(k): str(v) for k, v in identity.get("overrides", ())}
 
 
 def _recorded_losses(directory: str, start: int, steps: int) -> tuple | None:
@@ -105,13 +109,15 @@ def prepare(task, recipe: Recipe, directory: str, step: int | None, seed: int | 
     if saved_seed is None:
       raise ValueError(f"checkpoint={directory!r} records no seed; accepted: seed=")
     seed = int(saved_seed)
-  _check_study(task, directory)
-  prog = _models.build(task, recipe, seed)
+  base = _study_overrides(task, directory)
+  prog = _models.build(task, recipe, seed, (), base)
   restored = restore_checked(directory, prog.state, recipe, meta["step"], seed)
   start = restored.step
 
   def make_step(r: Recipe, overrides):
-    step_fn = _models.build(task, r, seed, (), overrides).step
+    # The study's own overrides stay; a promoted scope's rule is added (or replaces one
+    # of the same pattern): the deepest matching scope decides.
+    step_fn = _models.build(task, r, seed, (), {**base, **(overrides or {})}).step
     t = [start]
 
     def step(state, batch):
