@@ -18,7 +18,7 @@ DIMS = (8, 16, 16, 16, 4)
 LAYERS = tuple(f"l{i}" for i in range(len(DIMS) - 1))
 BATCH = 16
 SAVE_AT, REPLAY = 3, 6
-TOL = 5e-3
+TOL = 2e-3   # promoted culprits reach <= 8e-4, the diverged baselines >= 8e-3
 # f16 compute without loss scaling: small cotangents flush to zero.
 F16_NO_SCALE = mp.Recipe("f16_no_scale", "p=f32,c=f16,o=f32",
                          allow_f16_without_loss_scale=True)

@@ -299,9 +299,9 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
     >>> def make_step(recipe, overrides):
     ...   plan = mp.bind(recipe, overrides=overrides)
     ...   tx = mp.optim.build_optimizer(plan, optax.adam(1e-3))
-    ...   vg = jax.value_and_grad(mp.autocast(loss, plan))
-    ...   def step(state, batch):
-    ...     value, grads = vg(state.params, batch)
+    ...   fn = mp.autocast(loss, plan)
+    ...   def step(state, batch):   # the loss times the loss scale, differentiated
+    ...     value, grads = mp.value_and_grad(fn, state.opt_state)(state.params, batch)
     ...     updates, opt = tx.update(grads, state.opt_state, state.params)
     ...     return state._replace(params=mp.optim.apply_updates(state.params, updates),
     ...                           opt_state=opt), value
@@ -311,6 +311,13 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
     ...                             tolerance=1e-3, loss=loss, original_losses=losses[100:])
     >>> print(result)   # ... layer 'l0': ...; its worst GEMM tensor: l0, backward GEMM
     ...                 # cotangent, float16: 100% underflow.
+    >>> result.culprits, result.baseline_bit_identical, result.n_replays
+    (('l0',), True, 4)
+
+    A cell of a precision.study run, from its checkpoint of step 100:
+
+    >>> mp.numerics.bisect(task, "f16_mixed", checkpoint="study_out/cells/"
+    ...                    "f16_mixed__s0/ckpt", step=100, steps=20, tolerance=0.05)
   """
   from precision.study._task import Task  # pylint: disable=g-import-not-at-top  (cycle)
   if not callable(make_step) and not isinstance(make_step, Task):
