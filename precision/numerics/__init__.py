@@ -12,6 +12,10 @@ softmax, the log-partition of each log_softmax/logsumexp); `param_monitors` adds
 RMS, param RMS, updates lost to rounding and Adam's RMS(g^2/v) per parameter.
 precision.study records both every N steps (`telemetry=N`).
 
+`bisect` replays the steps after a checkpoint and searches, by bisection over the
+model's scopes promoted to f32, for the smallest set of layers whose promotion removes a
+divergence, and names the culprit with its telemetry row.
+
 Examples:
   >>> import precision as mp
   >>> report = mp.numerics.inspect(jax.value_and_grad(loss), "f16_mixed", params, x, y)
@@ -20,6 +24,9 @@ Examples:
   >>> row.scope, row.direction, row.role          # ('head', 'bwd', 'cotangent')
 """
 
+from precision.numerics._bisect import BisectResult
+from precision.numerics._bisect import Replay
+from precision.numerics._bisect import bisect
 from precision.numerics._inspect import Captured
 from precision.numerics._inspect import capture
 from precision.numerics._inspect import inspect
@@ -33,13 +40,16 @@ from precision.numerics._report import STATISTICS
 from precision.numerics._report import TensorStats
 
 __all__ = [
+    "BisectResult",
     "Captured",
     "DEFAULT_THRESHOLDS",
     "NumericsReport",
+    "Replay",
     "STATISTICS",
     "TensorInfo",
     "TensorStats",
     "TelemetryRecord",
+    "bisect",
     "capture",
     "gemm_telemetry",
     "inspect",

@@ -1,0 +1,383 @@
+"""precision.numerics.bisect: which part of a model made a recipe's run diverge.
+
+From a state saved before the divergence, the next steps are replayed under the recipe
+as is (the baseline, which must reproduce the original run bit for bit), under the
+recipe's f32 counterpart (the reference) and under the recipe with groups of GEMMs
+promoted to f32 by autocast overrides, until a promoted set (one group when one
+explains it) whose loss trajectory stays within a tolerance of the reference is found. The groups are the
+module paths / name scopes of the GEMMs of the loss (`inspect`); the culprit's worst
+GEMM tensors from that `inspect` run say what went wrong there.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precision import checkpoint as ckpt_lib
+from precision import optim
+from precision._policy import Policy, dtype_name
+from precision._recipe import Recipe, get_recipe
+from precision.checkpoint import _owner
+from precision.numerics import _inspect
+from precision.numerics import _report
+from precision.numerics._bisect_report import BisectResult
+from precision.numerics._bisect_report import Replay
+
+_F32 = np.dtype(np.float32)
+TELEMETRY_ROWS = 3   # worst GEMM tensors of the culprit kept in the result
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def _check_steps(steps: Any) -> int:
+  if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+    raise ValueError(f"steps={steps!r}; accepted: an integer >= 1 (steps replayed)")
+  return int(steps)
+
+
+def _check_tolerance(tolerance: Any) -> float:
+  if (isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real)
+      or not math.isfinite(float(tolerance)) or tolerance < 0):
+    raise ValueError(f"tolerance={tolerance!r}; accepted: a finite number >= 0 (the "
+                     "largest |loss - f32 reference loss| over the replayed steps)")
+  return float(tolerance)
+
+
+def _check_groups(groups: Any) -> tuple:
+  if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
+    raise ValueError(f"groups={groups!r}; accepted: a list of scope paths (module paths "
+                     "or jax.named_scope names, e.g. ['blocks/0/mlp', 'head'])")
+  if not groups:
+    raise ValueError("groups=() is empty; accepted: at least one scope path, or None to "
+                     "take the scopes of the loss's GEMMs")
+  for g in groups:
+    if not isinstance(g, str) or not g.strip("/ "):
+      raise ValueError(f"groups holds {g!r}; accepted: non-empty scope paths")
+  if len(set(groups)) != len(groups):
+    raise ValueError(f"groups={list(groups)!r} repeats a scope; accepted: distinct scopes")
+  return tuple(groups)
+
+
+def f32_counterpart(recipe: Recipe) -> Recipe:
+  """`recipe` computing in f32: same param and output dtypes, optimizer, loss scaling
+  and fp32 ops, so a state of `recipe` steps under it unchanged."""
+  p = recipe.policy
+  if np.dtype(p.compute_dtype) == _F32:
+    raise ValueError(f"recipe {recipe.name!r} computes in f32 already ({p}); accepted: a "
+                     "recipe with a bf16 or f16 compute dtype (nothing to promote)")
+  return recipe.replace(name=f"{recipe.name}_f32_compute",
+                        policy=Policy(p.param_dtype, _F32, p.output_dtype))
+
+
+def _promoted_policy(recipe: Recipe) -> str:
+  p = recipe.policy
+  return f"p={dtype_name(p.param_dtype)},c=f32,o={dtype_name(p.output_dtype)}"
+
+
+def literal(scope: str) -> str:
+  """A scope as an fnmatch pattern matching exactly itself ('[*]' for a literal '*')."""
+  return "".join(f"[{c}]" if c in "*?[]" else c for c in scope)
+
+
+def overrides_for(promoted: Iterable[str], groups: Sequence[str], recipe: Recipe) -> dict:
+  """Autocast overrides promoting exactly the GEMMs of `promoted`: each promoted scope
+  gets the f32 policy, and a group nested in a promoted one but not promoted itself
+  keeps the recipe's policy (the deepest matching scope decides)."""
+  promoted = tuple(promoted)
+  up, base = _promoted_policy(recipe), str(recipe.policy)
+  out = {literal(g): up for g in promoted}
+  for g in groups:
+    if g not in promoted and any(g.startswith(p + "/") for p in promoted):
+      out[literal(g)] = base
+  return out
+
+
+def _take(batches: Iterable[Any], steps: int) -> list:
+  out = []
+  for b in batches:
+    out.append(b)
+    if len(out) == steps:
+      return out
+  raise ValueError(f"batches yielded {len(out)} batches; accepted: at least steps={steps}")
+
+
+def restore_checked(directory: str, target: Any, recipe: Recipe, step: int | None,
+                    seed: int | None) -> ckpt_lib.Restored:
+  """Restores `directory` (step `step`, the newest when None) into `target` after
+  checking that it belongs to a run of `recipe` (and `seed` when given): its run record
+  and the step's saved recipe; a state of another shape is refused too."""
+  ckpt = ckpt_lib.Checkpointer(directory)
+  record = ckpt.run_record()
+  if record is not None:
+    diff = _owner.difference(record, recipe, record.model_config, seed)
+    if diff is not None:
+      raise ValueError(f"checkpoint={directory!r} is from another run ({record.run_id}): "
+                       f"{diff}; accepted: a checkpoint of the run being bisected")
+  meta = ckpt.metadata(step)
+  saved = Recipe.from_dict(meta["recipe"])
+  diff = _owner.recipe_difference(saved, recipe)
+  if diff is not None:
+    raise ValueError(f"checkpoint={directory!r} step {meta['step']} is from another run: "
+                     f"{diff}; accepted: a checkpoint of the run being bisected")
+  if seed is not None and meta.get("seed") is not None and int(meta["seed"]) != int(seed):
+    raise ValueError(f"checkpoint={directory!r} step {meta['step']} is from another run: "
+                     f"seed {meta['seed']}, this one {seed}")
+  try:
+    return ckpt.restore(target, step=meta["step"])
+  except ckpt_lib.CheckpointMismatchError as e:
+    raise ValueError(f"checkpoint={directory!r} is from another run (its state does not "
+                     f"fit this one): {e}") from None
+
+
+# ----------------------------------------------------------------------------- replays
+
+
+def _copy(state: Any) -> Any:
+  # A fresh buffer per leaf: the step may donate its state, and every replay starts from
+  # the same restored one.
+  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state)
+
+
+def _gaps(losses: np.ndarray, ref: np.ndarray) -> np.ndarray:
+  with np.errstate(invalid="ignore", over="ignore"):
+    gap = np.abs(losses - ref)
+  return np.where(np.isfinite(losses) & np.isfinite(ref), gap, np.inf)
+
+
+class _Replayer:
+  """Runs the replays and keeps them, each against the reference once that exists."""
+
+  def __init__(self, make_step, recipe, state, batches, groups, tolerance):
+    self.make_step, self.recipe, self.state = make_step, recipe, state
+    self.batches, self.groups, self.tolerance = batches, groups, tolerance
+    self.ref: np.ndarray | None = None
+    self.done: list[Replay] = []
+
+  def losses(self, recipe: Recipe, overrides: Mapping[str, str] | None) -> np.ndarray:
+    step = self.make_step(recipe, overrides)
+    state, out = _copy(self.state), []
+    for batch in self.batches:
+      state, loss = step(state, batch)
+      out.append(np.asarray(jax.device_get(loss), np.float32).reshape(()))
+    return np.stack(out)
+
+  def run(self, kind: str, promoted: tuple = (), recipe: Recipe | None = None) -> Replay:
+    overrides = overrides_for(promoted, self.groups, self.recipe) if promoted else None
+    raw = self.losses(recipe or self.recipe, overrides)
+    if self.ref is None:
+      self.ref = raw
+    gap = _gaps(raw.astype(np.float64), self.ref.astype(np.float64))
+    r = Replay(kind, tuple(promoted), tuple(float(x) for x in raw), float(gap[-1]),
+               float(gap.max()), bool(gap.max() <= self.tolerance))
+    self.done.append(r)
+    return r
+
+
+def _search(rp: _Replayer, groups: tuple) -> tuple:
+  """The promoted set found (() when none): see `bisect` for the algorithm."""
+  cand, verified = list(groups), False
+  while len(cand) > 1:
+    half = cand[:(len(cand) + 1) // 2]
+    if rp.run("halve", tuple(half)).within:
+      cand, verified = half, True
+    else:
+      cand, verified = cand[len(half):], False
+  if verified or rp.run("verify", tuple(cand)).within:
+    return tuple(cand)
+  if len(groups) == 1 or not rp.run("all", groups).within:
+    return ()
+  kept = list(groups)
+  for g in groups:
+    trial = [k for k in kept if k != g]
+    if trial and rp.run("shrink", tuple(trial)).within:
+      kept = trial
+  return tuple(kept)
+
+
+def _compare(base: Replay, original: Sequence[float] | None, steps: int):
+  if original is None:
+    return None, None
+  orig = np.asarray([float(x) for x in original][:steps], np.float32)
+  if orig.size < steps:
+    raise ValueError(f"original_losses holds {orig.size} losses; accepted: at least "
+                     f"steps={steps}")
+  mine = np.asarray(base.losses, np.float32)
+  differ = np.flatnonzero(mine.view(np.uint32) != orig.view(np.uint32))
+  if differ.size == 0:
+    return True, None
+  i = int(differ[0])
+  return False, (f"replayed step {i + 1}: loss {mine[i]!r}, original {orig[i]!r}")
+
+
+def _telemetry(report, culprits: tuple) -> tuple:
+  rows = tuple(r for r in report.rows
+               if any(r.scope == c or r.scope.startswith(c + "/") for c in culprits))
+  sub = _report.NumericsReport(report.name, report.policy, rows, report.unvisited)
+  return sub.worst(TELEMETRY_ROWS)
+
+
+def bisect(make_step: Any, recipe: Any, state: Any = None,
+           batches: Iterable[Any] | None = None, *, steps: int, tolerance: float,
+           loss: Callable[[Any, Any], Any] | None = None, checkpoint: str | None = None,
+           step: int | None = None, seed: int | None = None,
+           original_losses: Sequence[float] | None = None,
+           groups: Sequence[str] | None = None) -> BisectResult:
+  """Finds the smallest group of GEMMs whose promotion to f32 undoes a divergence.
+
+  Replays `steps` steps from `state` (or the checkpoint restored into it):
+    1. the baseline: `recipe` as is; compared bit for bit with `original_losses` (the
+       run's losses of those steps) when given;
+    2. the reference: the recipe's f32 counterpart (compute dtype f32; params, output,
+       optimizer and loss scaling unchanged, so the state steps under it as is);
+    3. the recipe with groups promoted to f32 by autocast overrides, searched as below.
+  A replay is within tolerance when max over steps |loss - reference loss| <= tolerance
+  (a non-finite loss is an infinite gap).
+
+  Groups are scopes: the module paths / jax.named_scope names of the GEMMs of
+  `jax.grad(loss)` as `inspect` sees them on the restored state and the first batch,
+  in program order; a promoted scope covers its forward and its backward GEMMs.
+  Autocast's overrides choose a policy by scope, not by direction, so the search cannot
+  promote a backward GEMM without its forward one; the culprit's telemetry rows say
+  which direction and role went wrong. GEMMs outside any scope cannot be promoted
+  (`BisectResult.unscoped` counts their tensors).
+
+  Algorithm, n groups:
+    * the baseline is within tolerance: stop (2 replays).
+    * single culprit: halve the candidates (first half promoted: within -> keep it,
+      else the second half), ceil(log2 n) replays; the last candidate is replayed alone
+      unless the last halving step already promoted it alone and passed: at most
+      ceil(log2 n) + 1 replays, ceil(log2 n) + 3 with the baseline and reference
+      (ceil(log2 n) + 2 when the last halving step passes). The extra replay is what
+      makes the culprit a tested fact: without it a divergence that needs two groups
+      would name a false culprit (any search ending in a passing single group needs
+      ceil(log2 n) + 1 replays in the worst case).
+    * no single group passes: every group promoted (1 replay; fails -> no culprit: the
+      cause lies outside the groups), then each group is dropped in turn while the rest
+      still passes (n replays): a set none of whose members can be dropped.
+  Worst case: ceil(log2 n) + n + 4 replays.
+
+  Args:
+    make_step: ``make_step(recipe, overrides) -> step``, ``step(state, batch) -> (state,
+      loss)``: the run's training step built under `recipe` (a Recipe: the run's, or its
+      f32 counterpart) with `overrides` ({scope pattern: policy string} for
+      precision.autocast / precision.bind, or None). It may jit and donate its state.
+      Or a precision.study.Task: the cell of `recipe` whose `checkpoint` is given
+      (<study out>/cells/<cell>/ckpt) is replayed with the study's own step; state,
+      batches (the task's stream at the checkpoint's step), loss and the original
+      losses (the cell's steps.jsonl) come from the cell; a checkpoint of another task
+      (the study's task digest), recipe or seed is refused.
+    recipe: the run's Recipe or preset name (not fp8: its GEMMs are chosen by
+      Fp8Config, not overrides).
+    state: the state to replay from; with `checkpoint`, the target it is restored into
+      (a TrainState of the run's structure, e.g. its initial state).
+    batches: the batches of the steps after the state (at least `steps`).
+    steps: steps replayed (>= 1). tolerance: loss units (>= 0).
+    loss: ``loss(params, batch) -> scalar`` (state.params) for the groups and the
+      telemetry (run under `recipe` by `inspect`, times the state's loss scale); None:
+      `groups` must be given and there is no telemetry.
+    checkpoint, step: a precision.checkpoint directory and step (newest when None). A
+      checkpoint of another run (run record, saved recipe, seed or state shape differ)
+      is refused.
+    seed: the run's seed, checked against the checkpoint's when given.
+    original_losses: the original run's losses of the replayed steps.
+    groups: scope paths to search (each matched literally), instead of the loss's.
+  Returns:
+    A BisectResult; ``str(result)`` is the verdict.
+  Raises:
+    ValueError: steps < 1, a negative or non-finite tolerance, empty groups (given, or
+      no GEMM of the loss in a scope), a checkpoint from another run, too few batches
+      or original losses, an fp8 recipe or one computing in f32.
+
+  Examples:
+    >>> def make_step(recipe, overrides):
+    ...   plan = mp.bind(recipe, overrides=overrides)
+    ...   tx = mp.optim.build_optimizer(plan, optax.adam(1e-3))
+    ...   fn = mp.autocast(loss, plan)
+    ...   def step(state, batch):   # the loss times the loss scale, differentiated
+    ...     value, grads = mp.value_and_grad(fn, state.opt_state)(state.params, batch)
+    ...     updates, opt = tx.update(grads, state.opt_state, state.params)
+    ...     return state._replace(params=mp.optim.apply_updates(state.params, updates),
+    ...                           opt_state=opt), value
+    ...   return jax.jit(step)
+    >>> result = mp.numerics.bisect(make_step, recipe, initial_state, batches[100:],
+    ...                             checkpoint="run/ckpt", step=100, steps=8,
+    ...                             tolerance=1e-3, loss=loss, original_losses=losses[100:])
+    >>> print(result)   # ... layer 'l0': ...; its worst GEMM tensor: l0, backward GEMM
+    ...                 # cotangent, float16: 100% underflow.
+    >>> result.culprits, result.baseline_bit_identical, result.n_replays
+    (('l0',), True, 4)
+
+    A cell of a precision.study run, from its checkpoint of step 100:
+
+    >>> mp.numerics.bisect(task, "f16_mixed", checkpoint="study_out/cells/"
+    ...                    "f16_mixed__s0/ckpt", step=100, steps=20, tolerance=0.05)
+  """
+  from precision.study._task import Task  # pylint: disable=g-import-not-at-top  (cycle)
+  if not callable(make_step) and not isinstance(make_step, Task):
+    raise ValueError(f"make_step={make_step!r}; accepted: make_step(recipe, overrides) "
+                     "-> step(state, batch) -> (state, loss), or a precision.study.Task")
+  recipe = get_recipe(recipe)
+  steps, tolerance = _check_steps(steps), _check_tolerance(tolerance)
+  if recipe.fp8 is not None:
+    raise ValueError(f"recipe {recipe.name!r} has fp8 GEMMs, which Fp8Config chooses "
+                     "(keep_high_precision), not overrides; accepted: a recipe without fp8")
+  reference = f32_counterpart(recipe)
+  if groups is not None:
+    groups = _check_groups(groups)
+  start = None
+  if isinstance(make_step, Task):
+    if state is not None or batches is not None or loss is not None:
+      raise ValueError("a Task brings its own state (from `checkpoint`), batches and "
+                       "loss; accepted: state=None, batches=None, loss=None with a Task")
+    from precision.numerics import _bisect_task  # pylint: disable=g-import-not-at-top
+    prep = _bisect_task.prepare(make_step, recipe, checkpoint, step, seed, steps,
+                                restore_checked)
+    make_step, state, batches, loss, start = prep[:5]
+    if original_losses is None:
+      original_losses = prep.original_losses
+  else:
+    if loss is None and groups is None:
+      raise ValueError("loss=None and groups=None; accepted: loss(params, batch) (the "
+                       "groups are its GEMMs' scopes) or an explicit list of groups")
+    if state is None or batches is None:
+      raise ValueError("state and batches are needed with make_step (state: the state "
+                       "to replay from, or the target a checkpoint is restored into)")
+    if checkpoint is not None:
+      restored = restore_checked(checkpoint, state, recipe, step, seed)
+      state, start = restored.state, restored.step
+  batches = _take(batches, steps)
+  report = None
+  if loss is not None:
+    scale = optim.loss_scale_of(state.opt_state)
+    grad = jax.grad(lambda p, b: jnp.asarray(loss(p, b)).astype(jnp.float32) * scale)
+    report = _inspect.inspect(grad, recipe, state.params, batches[0])
+  found = tuple(dict.fromkeys(r.scope for r in report.rows if r.scope)) if report else ()
+  if groups is None:
+    if not found:
+      raise ValueError("groups: the loss has no GEMM inside a module path or "
+                       "jax.named_scope, so no override can promote part of it (empty "
+                       "groups); accepted: a loss whose layers run in scopes, or groups=")
+    groups = found
+  unscoped = sum(1 for r in report.rows if not r.scope) if report else 0
+  rp = _Replayer(make_step, recipe, state, batches, groups, tolerance)
+  # The reference runs first so that every replay, the baseline included, has its gaps;
+  # the baseline is listed first.
+  rp.run("reference", recipe=reference)
+  base = rp.run("baseline")
+  rp.done.reverse()
+  ident, mismatch = _compare(base, original_losses, steps)
+  culprits = ()
+  ref_ok = all(math.isfinite(x) for x in rp.done[1].losses)
+  if ref_ok and not base.within:
+    culprits = _search(rp, groups)
+  telemetry = _telemetry(report, culprits) if culprits and report is not None else ()
+  return BisectResult(recipe.name, reference.name, start, steps, tolerance, groups,
+                      culprits, len(culprits) == 1, not base.within, bool(culprits),
+                      ident, mismatch, tuple(rp.done), telemetry, unscoped)

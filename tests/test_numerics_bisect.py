@@ -1,0 +1,325 @@
+"""precision.numerics.bisect: seeded faults in one layer of a 4-layer MLP found from a
+checkpoint saved before the divergence, within the stated replay bound, with a baseline
+bit-identical to the original run; a divergence no single layer explains, one no layer
+explains, checkpoints of other runs, and bad arguments refused."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import precision as mp
+from precision.numerics import _bisect
+
+DIMS = (8, 16, 16, 16, 4)
+LAYERS = tuple(f"l{i}" for i in range(len(DIMS) - 1))
+BATCH = 16
+SAVE_AT, REPLAY = 3, 6
+TOL = 2e-3   # promoted culprits reach <= 8e-4, the diverged baselines >= 8e-3
+# f16 compute without loss scaling: small cotangents flush to zero.
+F16_NO_SCALE = mp.Recipe("f16_no_scale", "p=f32,c=f16,o=f32",
+                         allow_f16_without_loss_scale=True)
+GRAD_SCALE = 1e-8   # a cotangent of ~1e-2 becomes ~1e-10, below f16's 6e-8 subnormal
+BIG = 1e5           # a kernel 1e5 times too large: its f16 GEMM output passes 65504
+
+
+def _grad_scaled(y, s):
+  """`y` forward; its cotangent times `s` backward (s * y + stop_gradient((1 - s) * y))."""
+  return y * s + jax.lax.stop_gradient(y * (1.0 - s))
+
+
+def make_loss(tiny_grad=(), big=(), unscoped_big=False):
+  """A 4-layer MLP, layer i in jax.named_scope(f"l{i}"). Layers in `tiny_grad` scale the
+  cotangent of their output by GRAD_SCALE (forward unchanged); layers in `big` have their
+  kernel multiplied by BIG and their output by 1/BIG (the same function in exact
+  arithmetic: the f16 GEMM result overflows); `unscoped_big` adds such a GEMM outside
+  any scope before the head."""
+
+  def loss(params, batch):
+    h = batch["x"]
+    for i, name in enumerate(LAYERS):
+      if unscoped_big and i == len(LAYERS) - 1:
+        h = (h @ (params["extra"] * BIG)) * (1.0 / BIG)
+      with jax.named_scope(name):
+        w, b = params[name]["w"], params[name]["b"]
+        if name in big:
+          h = (h @ (w * BIG)) * (1.0 / BIG) + b
+        else:
+          h = h @ w + b
+        if name in tiny_grad:
+          h = _grad_scaled(h, GRAD_SCALE)
+      if i < len(LAYERS) - 1:
+        h = jax.nn.relu(h)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+  return loss
+
+
+def init_params(seed=0):
+  keys = jax.random.split(jax.random.key(seed), len(LAYERS) + 1)
+  p = {name: {"w": jax.random.normal(k, (i, o), jnp.float32) / np.float32(math.sqrt(i)),
+              "b": jnp.zeros((o,), jnp.float32)}
+       for name, k, i, o in zip(LAYERS, keys, DIMS[:-1], DIMS[1:])}
+  p["extra"] = jax.random.normal(keys[-1], (16, 16), jnp.float32) / np.float32(4.0)
+  return p
+
+
+def batches(n, seed=1):
+  keys = jax.random.split(jax.random.key(seed), 2 * n)
+  return [{"x": jax.random.normal(keys[2 * i], (BATCH, DIMS[0]), jnp.float32),
+           "y": jax.random.normal(keys[2 * i + 1], (BATCH, DIMS[-1]), jnp.float32)}
+          for i in range(n)]
+
+
+def step_maker(loss, lr=3e-2):
+  """make_step(recipe, overrides) of a user's training loop (Adam; eps tiny so that the
+  1e-10 gradients of a scaled-down cotangent still give full-size updates in f32), and
+  tx_of(recipe). Eager: under jit every replay would compile a new program (seconds
+  each), while eager ops are compiled once per process and reused (the study test
+  replays jitted steps)."""
+  inner = optax.adam(lr, eps=1e-20)
+
+  def make_step(recipe, overrides):
+    plan = mp.bind(recipe, overrides=overrides)
+    tx = mp.optim.build_optimizer(plan, inner)
+    fn = mp.autocast(loss, plan)
+
+    def step(state, batch):
+      guarded = lambda p, b: mp.optim.nonfinite_loss_guard(fn(p, b))
+      value, grads = mp.value_and_grad(guarded, state.opt_state)(state.params, batch)
+      updates, opt = tx.update(grads, state.opt_state, state.params)
+      return state._replace(params=mp.optim.apply_updates(state.params, updates),
+                            opt_state=opt), value
+
+    return step
+
+  def tx_of(recipe):
+    return mp.optim.build_optimizer(mp.bind(recipe), inner)
+
+  return make_step, tx_of
+
+
+def original_run(tmp_path, loss, recipe, seed=0):
+  """Trains SAVE_AT steps, saves a checkpoint, continues REPLAY steps (the original
+  run's losses). Returns (make_step, initial state, ckpt dir, replayed batches, losses)."""
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+    make_step, tx_of = step_maker(loss)
+    params = init_params()
+    state0 = mp.TrainState(params, tx_of(recipe).init(params), {}, None)
+    step = make_step(recipe, None)
+    data = batches(SAVE_AT + REPLAY)
+    state = state0
+    for b in data[:SAVE_AT]:
+      state, _ = step(state, b)
+    ckpt = str(tmp_path / "ckpt")
+    mp.checkpoint.save(ckpt, SAVE_AT, state, recipe=recipe, seed=seed)
+    losses = []
+    for b in data[SAVE_AT:]:
+      state, value = step(state, b)
+      losses.append(float(value))
+  return make_step, state0, ckpt, data[SAVE_AT:], losses
+
+
+def run_bisect(make_step, recipe, state0, ckpt, data, losses, loss, **kw):
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+    return mp.numerics.bisect(make_step, recipe, state0, data, checkpoint=ckpt,
+                              step=SAVE_AT, steps=REPLAY, tolerance=TOL, loss=loss,
+                              original_losses=losses, **kw)
+
+
+def single_bound(n):
+  return math.ceil(math.log2(n)) + 3
+
+
+def test_underflowing_backward_cotangent_is_found(tmp_path):
+  loss = make_loss(tiny_grad=("l0",))
+  run = original_run(tmp_path, loss, F16_NO_SCALE)
+  result = run_bisect(*run[:1], F16_NO_SCALE, *run[1:], loss=loss)
+  assert result.groups == LAYERS
+  assert result.baseline_bit_identical is True and result.baseline_mismatch is None
+  assert result.diverged and result.single and result.culprits == ("l0",)
+  # Halving {l0, l1} passes, then {l0} alone passes: no verifying replay.
+  assert [r.kind for r in result.replays] == ["baseline", "reference", "halve", "halve"]
+  assert result.n_replays == math.ceil(math.log2(len(LAYERS))) + 2
+  assert [r.kind for r in result.replays[:2]] == ["baseline", "reference"]
+  fixed = [r for r in result.replays if r.promoted == ("l0",)]
+  assert fixed and fixed[0].within and fixed[0].max_gap <= TOL < result.replays[0].max_gap
+  worst = result.telemetry[0]
+  assert (worst.scope, worst.direction, worst.role, worst.dtype) == (
+      "l0", "bwd", "cotangent", "float16")
+  assert worst.underflow > 0.9
+  text = str(result)
+  assert "bit-identical" in text and "'l0'" in text
+  assert "l0, backward GEMM cotangent, float16:" in text and "underflow" in text
+
+
+@pytest.mark.parametrize("layer,kinds", [
+    # {l0, l1} fails, {l2} passes: found by halving alone.
+    ("l2", ["halve", "halve"]),
+    # {l0, l1} fails, {l2} fails: l3 is only inferred, so it is replayed alone.
+    ("l3", ["halve", "halve", "verify"]),
+])
+def test_overflowing_activation_is_found(tmp_path, layer, kinds):
+  # f16 with dynamic loss scaling: the forward overflow of `layer` makes every loss
+  # non-finite, and the guard skips the steps (the state saved stays finite).
+  recipe = mp.get_recipe("f16_mixed")
+  loss = make_loss(big=(layer,))
+  run = original_run(tmp_path, loss, recipe)
+  result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
+  assert not np.isfinite(run[-1]).any()
+  assert result.baseline_bit_identical is True   # inf and NaN compared bit for bit
+  assert result.culprits == (layer,) and result.single
+  assert [r.kind for r in result.replays] == ["baseline", "reference"] + kinds
+  assert result.n_replays <= single_bound(len(LAYERS))
+  worst = result.telemetry[0]
+  assert (worst.scope, worst.direction, worst.dtype) == (layer, "fwd", "float16")
+  assert worst.overflow > 0
+  assert "overflow" in str(result)
+
+
+def test_two_layers_needed_no_false_culprit(tmp_path):
+  recipe = mp.get_recipe("f16_mixed")
+  loss = make_loss(big=("l1", "l3"))
+  run = original_run(tmp_path, loss, recipe)
+  result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
+  assert not result.single and result.culprits == ("l1", "l3")
+  for r in result.replays:   # no single group passed
+    if len(r.promoted) == 1:
+      assert not r.within
+  assert [r.kind for r in result.replays] == (
+      ["baseline", "reference", "halve", "halve", "verify", "all"] + ["shrink"] * 4)
+  assert "no single group explains it" in str(result)
+  n = len(LAYERS)
+  assert result.n_replays <= math.ceil(math.log2(n)) + n + 4
+
+
+def test_cause_outside_the_groups_names_no_culprit(tmp_path):
+  recipe = mp.get_recipe("f16_mixed")
+  loss = make_loss(unscoped_big=True)
+  run = original_run(tmp_path, loss, recipe)
+  result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
+  assert result.diverged and not result.explained and result.culprits == ()
+  assert result.telemetry == () and result.unscoped == 9   # one GEMM and its 2 backward GEMMs, 3 tensors each
+  assert result.replays[-1].kind == "all" and not result.replays[-1].within
+  assert "outside the GEMM scopes" in str(result)
+
+
+def test_no_divergence_stops_after_two_replays(tmp_path):
+  recipe = mp.get_recipe("f16_mixed")
+  loss = make_loss()
+  run = original_run(tmp_path, loss, recipe)
+  result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
+  assert not result.diverged and result.culprits == () and result.n_replays == 2
+  assert "no divergence" in str(result)
+
+
+def test_non_finite_reference_stops(tmp_path):
+  loss = make_loss(tiny_grad=("l0",))
+  make_step, state0, ckpt, data, losses = original_run(tmp_path, loss, F16_NO_SCALE)
+  data = [dict(b, x=jnp.full_like(b["x"], jnp.nan)) for b in data]
+  result = run_bisect(make_step, F16_NO_SCALE, state0, ckpt, data, None, loss)
+  assert result.n_replays == 2 and result.culprits == ()
+  assert result.baseline_bit_identical is None
+  assert "reference itself is not finite" in str(result)
+  assert "not compared with the original run" in str(result)
+
+
+def test_baseline_mismatch_is_reported(tmp_path):
+  loss = make_loss(tiny_grad=("l0",))
+  make_step, state0, ckpt, data, losses = original_run(tmp_path, loss, F16_NO_SCALE)
+  other = list(losses)
+  other[2] = float(np.nextafter(np.float32(other[2]), np.float32(np.inf)))
+  result = run_bisect(make_step, F16_NO_SCALE, state0, ckpt, data, other, loss,
+                      groups=["l0", "l1"])
+  assert result.baseline_bit_identical is False
+  assert result.baseline_mismatch.startswith("replayed step 3")
+  assert result.groups == ("l0", "l1") and result.culprits == ("l0",)
+  assert "NOT bit-identical" in str(result)
+
+
+def test_checkpoint_of_another_run_is_refused(tmp_path):
+  loss = make_loss()
+  make_step, state0, ckpt, data, losses = original_run(tmp_path, loss, F16_NO_SCALE)
+  with pytest.raises(ValueError, match="another run.*recipe"):
+    run_bisect(make_step, mp.get_recipe("f16_mixed"), state0, ckpt, data, losses, loss)
+  with pytest.raises(ValueError, match="another run.*seed"):
+    run_bisect(make_step, F16_NO_SCALE, state0, ckpt, data, losses, loss, seed=1)
+  small = jax.tree.map(lambda x: x[:1] if x.ndim else x, state0)
+  with pytest.raises(ValueError, match="another run.*does not fit"):
+    run_bisect(make_step, F16_NO_SCALE, small, ckpt, data, losses, loss)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(steps=0), "steps=0"), (dict(steps=-2), "steps=-2"),
+    (dict(tolerance=-1e-3), "tolerance=-0.001"), (dict(tolerance=math.nan), "tolerance=nan"),
+    (dict(groups=[]), "groups=.. is empty"), (dict(groups="l0"), "groups='l0'"),
+])
+def test_bad_arguments(kw, match):
+  loss = make_loss()
+  make_step, _ = step_maker(loss)
+  args = dict(steps=2, tolerance=1e-3, loss=loss)
+  args.update(kw)
+  with pytest.raises(ValueError, match=match):
+    mp.numerics.bisect(make_step, F16_NO_SCALE, object(), batches(2), **args)
+
+
+def test_loss_without_scoped_gemms_is_refused():
+  def flat(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+  make_step, tx_of = step_maker(flat)
+  params = {"w": jnp.ones((DIMS[0], DIMS[-1]), jnp.float32)}
+  state = mp.TrainState(params, tx_of(F16_NO_SCALE).init(params), {}, None)
+  with pytest.raises(ValueError, match="empty groups"):
+    mp.numerics.bisect(make_step, F16_NO_SCALE, state, batches(2), steps=2,
+                       tolerance=1e-3, loss=flat)
+
+
+def test_overrides_promote_exactly_the_group():
+  recipe = mp.get_recipe("bf16_mixed")
+  got = _bisect.overrides_for(["blocks/0"], ["blocks/0", "blocks/0/mlp", "blocks/1"],
+                              recipe)
+  assert got == {"blocks/0": "p=f32,c=f32,o=f32", "blocks/0/mlp": "p=f32,c=bf16,o=f32"}
+  assert _bisect.literal("a*/b[1]") == "a[*]/b[[]1[]]"
+  with pytest.raises(ValueError, match="computes in f32 already"):
+    _bisect.f32_counterpart(mp.get_recipe("fp32"))
+
+
+def _task(init_seed_offset=0):
+  def stream(seed):
+    i = 0
+    while True:
+      yield batches(1, seed=1000 * seed + i)[0]
+      i += 1
+
+  return mp.study.Task(init=lambda seed: init_params(seed + init_seed_offset),
+                       loss=make_loss(tiny_grad=("l0",)), batches=stream,
+                       optimizer=optax.adam(3e-2, eps=1e-20), name="mlp")
+
+
+@pytest.mark.slow
+def test_study_cell_is_bisected_from_its_checkpoint(tmp_path):
+  out = str(tmp_path / "study")
+  task = _task()
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+    mp.study.run(task, [F16_NO_SCALE], seeds=2, steps=SAVE_AT + REPLAY,
+                 save_every=SAVE_AT, out=out, timing_rounds=0, progress=False)
+    ckpt = f"{out}/cells/f16_no_scale__s1/ckpt"
+    result = mp.numerics.bisect(task, F16_NO_SCALE, checkpoint=ckpt, step=SAVE_AT,
+                                steps=REPLAY, tolerance=TOL, groups=["l0", "l1"])
+    assert result.start_step == SAVE_AT
+    # The original losses are the cell's steps.jsonl; the replay uses the study's step
+    # and the task's stream advanced to the checkpoint's step.
+    assert result.baseline_bit_identical is True
+    assert result.culprits == ("l0",) and result.n_replays == 3
+    assert result.telemetry[0].role == "cotangent"
+    with pytest.raises(ValueError, match="another run.*task digest"):
+      mp.numerics.bisect(_task(init_seed_offset=7), F16_NO_SCALE, checkpoint=ckpt,
+                         steps=REPLAY, tolerance=TOL)
+    with pytest.raises(ValueError, match="another run.*recipe"):
+      mp.numerics.bisect(task, "f16_mixed", checkpoint=ckpt, steps=REPLAY, tolerance=TOL)
+    with pytest.raises(ValueError, match="another run.*seed"):
+      mp.numerics.bisect(task, F16_NO_SCALE, checkpoint=ckpt, seed=0, steps=REPLAY,
+                         tolerance=TOL)
