@@ -8,6 +8,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from precision import study
@@ -217,3 +218,17 @@ def test_more_seeds_grow_a_study_and_keep_its_cells(tmp_path):
                                               "attempts.jsonl"))) == 1
   with pytest.raises(ValueError, match="holds a study of 3 seeds"):
     _run(out, recipes=["fp32", "bf16_mixed"], steps=3, eval_every=0, seeds=2)
+
+
+def test_linen_model_without_collections_returns_the_output():
+  """A Linen module with params only (no BatchNorm statistics): training calls give the
+  module's output, not flax's (output, {}) pair."""
+  import flax.linen as nn
+  from precision.study import _models
+
+  module = nn.Dense(3)
+  x = jnp.ones((2, 4), jnp.float32)
+  params = module.init(jax.random.key(0), x)["params"]
+  m = _models.LinenModel(module, params, {}, jax.random.key(1), training=True)
+  out = m(x)
+  assert isinstance(out, jax.Array) and out.shape == (2, 3)

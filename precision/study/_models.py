@@ -109,7 +109,8 @@ class LinenModel:
       key = jax.random.fold_in(self._rng, self._calls)
       rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(self._streams)}
     self._calls += 1
-    mutable = list(self.state) if self.training else False
+    # No collections: mutable=False (flax returns (out, {}) for an empty list).
+    mutable = list(self.state) if self.training and self.state else False
     module = self.module
 
     def apply(params, state):
