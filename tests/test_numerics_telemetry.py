@@ -309,3 +309,22 @@ def test_study_names_the_first_anomaly(tiny_loss_studies):
   assert os.path.exists(os.path.join(on_dir, "telemetry_f16_noscale.png"))
   with pytest.raises(ValueError, match="telemetry=-1"):
     mp.study.run(_load("params_mlp").task, telemetry=-1, out=on_dir + "_bad")
+
+
+def test_swamped_updates_are_named_in_the_16_bit_params_not_in_the_master():
+  """A learning rate far below half an ulp of bf16 weights: pure_bf16 (no master copy)
+  loses nearly every weight update to rounding; bf16_master keeps them in its f32 master."""
+  from precision.study import _models
+
+  m = _load("params_mlp")
+  task = mp.study.Task(init=m.init, loss=m.loss, batches=m.batches,
+                       optimizer=optax.adam(1e-5), name="tiny-lr")
+  batch = next(iter(m.batches(0)))
+  lost = {}
+  for recipe in ("pure_bf16", "bf16_master"):
+    prog = _models.build(task, mp.get_recipe(recipe), 0)
+    mon = prog.telemetry(prog.state, batch, jnp.int32(0), False).monitors()
+    lost[recipe] = mon["update_lost/w1"]
+  # |w1| ~ 0.35: a bf16 ulp of 2**-9 there, against Adam's first update of lr = 1e-5.
+  assert lost["pure_bf16"] > 0.9
+  assert lost["bf16_master"] == 0.0
