@@ -61,8 +61,30 @@ def _scaled_loss(fn: Callable[..., Any], scale: jax.Array, has_aux: bool):
   return f
 
 
-def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False
-                   ) -> Callable[..., Any]:
+def _telemetry_spec(fn, model_or_params):
+  """(the spec the call runs under, the function to trace under it) for telemetry."""
+  from precision.flax import _nnx  # pylint: disable=g-import-not-at-top
+  if isinstance(model_or_params, nnx.Module):
+    spec = _nnx.spec_of(model_or_params)
+    if spec is None:
+      raise ValueError("value_and_grad(telemetry=True): the model is not marked; accepted: "
+                       "a model prepared by precision.flax.apply_recipe / apply_policy")
+    inner = fn
+  else:
+    spec = getattr(fn, "autocast_spec", None)
+    inner = getattr(fn, "__wrapped__", None)
+    if spec is None or inner is None:
+      raise ValueError("value_and_grad(telemetry=True) on a params pytree: fn is not an "
+                       "autocast'ed function; accepted: fn = precision.autocast(loss, recipe)")
+  if spec.recipe is not None and spec.recipe.fp8 is not None:
+    raise ValueError(f"value_and_grad(telemetry=True): recipe {spec.recipe.name!r} has fp8 "
+                     "GEMMs, whose scaled operands telemetry does not replay; accepted: a "
+                     "recipe without fp8 (precision.numerics.inspect measures fp8 GEMMs)")
+  return spec, inner
+
+
+def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
+                   telemetry: bool = False) -> Callable[..., Any]:
   """The loss and the gradients a recipe optimizer's ``tx.update`` expects.
 
   Differentiates ``fn(model_or_params, *args, **kwargs) * loss_scale_of(opt_state)``
@@ -87,10 +109,19 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
       `has_aux`), the loss a floating scalar: the mean over the batch.
     opt_state: the optimizer state (any optax state; its loss scale is found inside).
     has_aux: `fn` returns ``(loss, aux)``.
+    telemetry: also return a `precision.numerics.TelemetryRecord` of this call: every GEMM
+      operand, cotangent and result of the forward and backward pass with its statistics,
+      and the logit monitors (`precision.numerics.gemm_telemetry`), computed by the same
+      compiled program as a second evaluation of the loss and gradient under the spec the
+      call runs under: an NNX model's mark (`apply_recipe`), or, for a params pytree,
+      `fn`'s own (`fn = precision.autocast(loss, recipe)`). Not for fp8 recipes. Jit
+      the step twice, with and without, and call the telemetry one every N steps: the
+      step without it is the program it always was.
 
   Returns:
     ``g(model_or_params, *args, **kwargs) -> (loss, grads)``, or ``((loss, aux), grads)``
-    with `has_aux`; `loss` f32 and unscaled, `grads` in the params' dtypes, scaled.
+    with `has_aux`; `loss` f32 and unscaled, `grads` in the params' dtypes, scaled; with
+    `telemetry`, ``(loss, grads, record)``.
 
   Examples:
     >>> loss, grads = precision.value_and_grad(loss_fn, opt_state)(model, x, y)
@@ -102,6 +133,23 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
     raise ValueError(f"value_and_grad: fn={fn!r}; accepted: a callable returning the loss")
   if not isinstance(has_aux, bool):
     raise ValueError(f"value_and_grad: has_aux={has_aux!r}; accepted: True or False")
+  if not isinstance(telemetry, bool):
+    raise ValueError(f"value_and_grad: telemetry={telemetry!r}; accepted: True or False")
+  if telemetry:
+    plain = value_and_grad(fn, opt_state, has_aux=has_aux)
+
+    def with_telemetry(model_or_params, *args, **kwargs):
+      from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
+      spec, inner = _telemetry_spec(fn, model_or_params)
+      traced = value_and_grad(inner, opt_state, has_aux=has_aux)
+      # The model passed is flattened and rebuilt inside the telemetry trace: its state
+      # (RNG counters, statistics) is the same for the real call below.
+      record = _telemetry.gemm_telemetry(
+          lambda m, *a: traced(m, *a, **kwargs), spec, model_or_params, *args)
+      value, grads = plain(model_or_params, *args, **kwargs)
+      return value, grads, record
+
+    return with_telemetry
 
   def wrapped(model_or_params, *args, **kwargs):
     # Read here, at call time: `loss_scale_of` also marks this thread as having scaled
@@ -122,7 +170,8 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
 
 
 def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: Any,
-               loss_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+               loss_fn: Callable[..., Any], *args: Any, telemetry: bool = False,
+               **kwargs: Any) -> tuple[Any, ...]:
   """One optimizer step of an NNX model under any recipe; updates `model` in place.
 
   `value_and_grad` (loss scaled by the optimizer's loss scale, fp8 gradient state
@@ -143,10 +192,14 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
     loss_fn: ``loss_fn(model, *args, **kwargs) -> scalar loss`` (floating; the mean over
       the batch). For an auxiliary output use `value_and_grad` with `has_aux`.
     *args, **kwargs: passed to `loss_fn` (the batch).
+    telemetry: also return the step's `precision.numerics.TelemetryRecord`: every GEMM
+      tensor of its forward and backward pass (see `value_and_grad`) plus the parameter
+      monitors of its update (`precision.numerics.param_monitors`, measured on the master
+      copy when the recipe keeps one). A keyword of train_step, not passed to `loss_fn`.
 
   Returns:
     ``(loss, opt_state)``: the f32 unscaled loss of this step (before the update) and the
-    new optimizer state.
+    new optimizer state; ``(loss, opt_state, record)`` with `telemetry`.
 
   Examples:
     >>> model = precision.flax.apply_recipe(MLP(rngs=nnx.Rngs(0)), "f16_mixed")
@@ -155,7 +208,13 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
     >>> step = nnx.jit(precision.train_step, static_argnums=(1, 3))
     >>> for x, y in batches:
     ...   loss, opt_state = step(model, tx, opt_state, loss_fn, x, y)
+    >>> probe = nnx.jit(functools.partial(precision.train_step, telemetry=True),
+    ...                 static_argnums=(1, 3))      # every 100 steps, instead of `step`
+    >>> loss, opt_state, record = probe(model, tx, opt_state, loss_fn, x, y)
+    >>> record.report().first_anomaly(), record.monitors()
   """
+  if not isinstance(telemetry, bool):
+    raise ValueError(f"train_step: telemetry={telemetry!r}; accepted: True or False")
   if not isinstance(model, nnx.Module):
     raise ValueError(
         f"train_step: model is a {type(model).__name__}; accepted: an nnx.Module (for a "
@@ -169,7 +228,13 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   # the same (immutable) arrays, which the step's in-place updates of the model leave be.
   before = jax.tree.map(lambda x: x, nnx.state(model, fp8.Fp8State)) if has_fp8 else None
   params = nnx.state(model, nnx.Param)
-  loss, grads = value_and_grad(loss_fn, opt_state)(model, *args, **kwargs)
+  if telemetry:
+    loss, grads, record = value_and_grad(loss_fn, opt_state, telemetry=True)(
+        model, *args, **kwargs)
+    # Taken now: `params` holds the model's Variables, which the update below rewrites.
+    master_before = optim.master_params(opt_state, jax.tree.map(lambda x: x, params))
+  else:
+    loss, grads = value_and_grad(loss_fn, opt_state)(model, *args, **kwargs)
   # optax's convention: a transformation taking extra arguments (a spike guard) gets the
   # unscaled loss as `value`; any other is called exactly as before.
   extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
@@ -178,6 +243,14 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   if has_fp8:
     skipped = optim.step_skipped(opt_state, new_opt_state)
     nnx.update(model, fp8.rollback_fp8_state(nnx.state(model, fp8.Fp8State), before, skipped))
+  if telemetry:
+    from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
+    scale = optim.loss_scale_of(opt_state)
+    unscaled = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
+    monitors = _telemetry.param_monitors(
+        master_before, optim.master_params(new_opt_state, nnx.state(model, nnx.Param)),
+        unscaled, opt_state)
+    return loss, new_opt_state, record.with_monitors(monitors)
   return loss, new_opt_state
 
 

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import precision as mp
+from _asserts import bit_identical
 from precision.numerics import _device_stats
 from precision.numerics import _stats
 
@@ -328,3 +329,101 @@ def test_swamped_updates_are_named_in_the_16_bit_params_not_in_the_master():
   # |w1| ~ 0.35: a bf16 ulp of 2**-9 there, against Adam's first update of lr = 1e-5.
   assert lost["pure_bf16"] > 0.9
   assert lost["bf16_master"] == 0.0
+
+
+# ------------------------------------------------------------------ train_step option
+
+
+class _DropoutMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+    self.drop = nnx.Dropout(0.25, rngs=rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.drop(nnx.relu(self.fc1(x))))
+
+
+def _step_case(recipe):
+  model = mp.flax.apply_recipe(_DropoutMLP(nnx.Rngs(0)), recipe)
+  tx = mp.optim.build_optimizer(recipe, optax.adam(1e-3))
+  opt = tx.init(nnx.state(model, nnx.Param))
+  x = jax.random.normal(jax.random.key(5), (32, 8))
+  y = jax.random.normal(jax.random.key(6), (32, 4))
+  return model, tx, opt, x, y
+
+
+def _loss(m, x, y):
+  return jnp.mean((m(x) - y) ** 2)
+
+
+def test_train_step_with_telemetry_takes_the_same_step():
+  import functools
+  model, tx, opt, x, y = _step_case("f16_mixed")
+  probe_model = nnx.clone(model)
+  step = nnx.jit(mp.train_step, static_argnums=(1, 3))
+  probe = nnx.jit(functools.partial(mp.train_step, telemetry=True), static_argnums=(1, 3))
+  loss, new_opt = step(model, tx, opt, _loss, x, y)
+  p_loss, p_opt, record = probe(probe_model, tx, opt, _loss, x, y)
+  assert bit_identical(loss, p_loss) and bit_identical(new_opt, p_opt)
+  assert bit_identical(nnx.state(model), nnx.state(probe_model))   # dropout RNG included
+  rows = record.report().rows
+  assert {r.scope for r in rows} == {"fc1", "head"}
+  assert any(r.role == "cotangent" and r.dtype == "float16" for r in rows)
+  mon = record.monitors()
+  assert mon["update_rms/head/kernel"] > 0 and mon["update_lost/head/kernel"] == 0.0
+
+
+def test_train_step_without_telemetry_is_the_documented_composition():
+  """telemetry=False lowers to exactly the program of value_and_grad + tx.update +
+  apply_updates written out (nothing of the option is left in it)."""
+  model, tx, opt, x, y = _step_case("bf16_master")
+
+  def by_hand(model, opt, x, y):
+    params = nnx.state(model, nnx.Param)
+    loss, grads = mp.value_and_grad(_loss, opt)(model, x, y)
+    updates, new = tx.update(grads, opt, params)
+    nnx.update(model, mp.optim.apply_updates(params, updates))
+    return loss, new
+
+  def body(text):
+    return text.split("\n", 1)[1]  # the module's name line differs
+
+  a = nnx.jit(lambda m, o, x, y: mp.train_step(m, tx, o, _loss, x, y)).lower(model, opt, x, y)
+  b = nnx.jit(by_hand).lower(model, opt, x, y)
+  assert body(a.as_text()) == body(b.as_text())
+
+
+def test_telemetry_option_needs_a_spec_and_no_fp8():
+  model = _DropoutMLP(nnx.Rngs(0))
+  opt = mp.optim.build_optimizer("bf16_mixed", optax.adam(1e-3)).init(
+      nnx.state(model, nnx.Param))
+  x = jnp.ones((4, 8))
+  with pytest.raises(ValueError, match="not marked"):
+    mp.value_and_grad(_loss, opt, telemetry=True)(model, x, jnp.zeros((4, 4)))
+  with pytest.raises(ValueError, match="autocast'ed"):
+    mp.value_and_grad(lambda p, x: jnp.sum(x @ p), opt, telemetry=True)(jnp.ones((8, 2)), x)
+  with pytest.raises(ValueError, match="telemetry"):
+    mp.value_and_grad(_loss, opt, telemetry=1)
+  fp8_model = mp.flax.apply_recipe(_DropoutMLP(nnx.Rngs(0)), "fp8_hybrid")
+  with pytest.raises(ValueError, match="fp8"):
+    mp.value_and_grad(_loss, opt, telemetry=True)(fp8_model, x, jnp.zeros((4, 4)))
+
+
+def test_value_and_grad_telemetry_on_a_params_pytree():
+  _, (w1, w2, x) = _plain_case()
+
+  def plain_loss(params, x):
+    h = jnp.tanh(x @ params[0])
+    return jnp.mean((h @ params[1]) ** 2)
+
+  f = mp.autocast(plain_loss, "bf16_mixed")
+  tx = mp.optim.build_optimizer("bf16_mixed", optax.adam(1e-3))
+  opt = tx.init((w1, w2))
+  loss_v, grads, record = jax.jit(
+      lambda p, o, x: mp.value_and_grad(f, o, telemetry=True)(p, x))((w1, w2), opt, x)
+  ref_loss, ref_grads = jax.jit(lambda p, o, x: mp.value_and_grad(f, o)(p, x))((w1, w2), opt, x)
+  assert bit_identical(loss_v, ref_loss) and bit_identical(grads, ref_grads)
+  rows = record.report().rows
+  assert rows and all(r.dtype in ("bfloat16", "float32") for r in rows)
+  assert {r.direction for r in rows} == {"fwd", "bwd"}

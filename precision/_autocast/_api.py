@@ -97,7 +97,8 @@ class AutocastSpec:
       policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe, a preset
         recipe name ("bf16_mixed") or a Plan (`precision.bind`): a recipe contributes its
         policy, fp32_ops and fp8 config, a plan its whole spec (overrides included; it
-        takes no further `overrides` or `fp32_ops`) and its recipe's fp8 config.
+        takes no further `overrides` or `fp32_ops`) and its recipe's fp8 config, or an
+        AutocastSpec (`precision.flax.spec_of(model)`, `fn.autocast_spec`): that spec.
       overrides: {path pattern or module type: policy} (see precision.autocast).
       fp32_ops: op names kept in f32 (default: the recipe's, else DEFAULT_FP32_OPS).
       recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
@@ -113,6 +114,13 @@ class AutocastSpec:
     from precision import _plan  # pylint: disable=g-import-not-at-top
     if not isinstance(fp8_state, bool):
       raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
+    if isinstance(policy, AutocastSpec):
+      # A spec read back from a marked model or an autocast'ed function
+      # (`.autocast_spec`): the same spec again, so the trace agrees with the mark.
+      if overrides is not None or fp32_ops is not None or fp8_state:
+        raise ValueError("An AutocastSpec carries its own overrides, fp32_ops and fp8 "
+                         "settings; accepted: the spec alone, or its recipe with new ones")
+      return policy
     if isinstance(policy, _plan.Plan):
       plan = _plan.as_plan(policy, overrides, fp32_ops)
       return _with_fp8(plan.autocast_spec, plan.recipe, fp8_state, policy)
