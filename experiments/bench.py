@@ -13,6 +13,8 @@ never as a bare absolute time (absolute seconds are kept in the JSON for referen
   fp8        fp8 vs bf16 GEMM and step (CPU: emulation overhead only) (experiments.bench_fp8)
   zero       ZeRO stages 0-3: per-device memory and bytes sent per step on 8 host devices
              (experiments.bench_parallel)
+  telemetry  the study's numerics telemetry program against the GPT cell's step: the step
+             time overhead of telemetry every 100 (and 10) steps (experiments.bench_telemetry)
 
 Outputs: DIR/bench.json and DIR/bench.md. CPU wall-clock of bf16 vs fp32 says nothing about
 a GPU; the GPU figures come from experiments/gpu_check.py.
@@ -47,7 +49,7 @@ from experiments import mfu as mfu_lib  # noqa: E402
 from experiments import trainlib  # noqa: E402
 from models import gpt as gpt_lib  # noqa: E402
 
-SECTIONS = ("policy", "recipes", "optimizer", "rounding", "fp8", "zero")
+SECTIONS = ("policy", "recipes", "optimizer", "rounding", "fp8", "zero", "telemetry")
 
 
 def _nbytes(tree) -> int:
@@ -137,6 +139,7 @@ def recipe_figures(model: str, batch: int, seq: int, recipes, repeats: int) -> d
 def run(quick: bool = False, sections=SECTIONS) -> dict:
   """Runs the chosen sections; returns one JSON-safe dict keyed by section."""
   from experiments import bench_fp8, bench_optim, bench_parallel, bench_policy, bench_rounding
+  from experiments import bench_telemetry
   result = {"quick": quick, "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind, "platform": platform.platform(),
             "jax": jax.__version__, "faithful_rounding": mp.faithful_rounding_enabled()}
@@ -150,6 +153,7 @@ def run(quick: bool = False, sections=SECTIONS) -> dict:
       "rounding": lambda: bench_rounding.run(quick),
       "fp8": lambda: bench_fp8.run(quick),
       "zero": lambda: bench_parallel.run(quick),
+      "telemetry": lambda: bench_telemetry.run(quick),
   }
   for name in sections:
     t = time.perf_counter()
@@ -220,6 +224,17 @@ def markdown(res: dict) -> str:
     for r in res["zero"]["rows"]:
       lines.append(f"| {r['recipe']} | {r['stage']} | {r['params_KiB']} | {r['zero_params']} | "
                    f"{r['opt_KiB']} | {r['zero_opt']} | {r['temp_KiB']} | {r['sent_KiB']} |")
+    lines.append("")
+  if "telemetry" in res:
+    t = res["telemetry"]
+    lines += [f"## Numerics telemetry: `{t['model']}` GPT cell, batch {t['batch']} x seq "
+              f"{t['seq']} (medians of {t['repeats']}, interleaved)", "",
+              "| recipe | tensors | telemetry / step | overhead every 100 steps | "
+              "every 10 | telemetry compile s |", "|---|---|---|---|---|---|"]
+    for name, r in t["rows"].items():
+      lines.append(f"| {name} | {r['tensors']} | {r['telemetry_over_step']:.2f}x | "
+                   f"{r['overhead_every_100']:.2%} | {r['overhead_every_10']:.1%} | "
+                   f"{r['telemetry_compile_s']:.1f} |")
     lines.append("")
   return "\n".join(lines) + "\n"
 

@@ -21,7 +21,6 @@ training step can measure every GEMM tensor without copying it to the host:
 from __future__ import annotations
 
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -63,12 +62,8 @@ def round_to(x32: jnp.ndarray, dtype) -> jnp.ndarray:
   return x32.astype(dtype).astype(jnp.float32)
 
 
-def _seg_sum(x, seg, n):
-  return jax.ops.segment_sum(x, seg, num_segments=n, indices_are_sorted=True)
-
-
-def _count(mask, seg, n):
-  return _seg_sum(mask.astype(jnp.int32), seg, n)
+def _count(mask):
+  return jnp.sum(mask, axis=1, dtype=jnp.int32)
 
 
 def _frac(count, total):
@@ -76,22 +71,22 @@ def _frac(count, total):
                    / jnp.maximum(total, 1).astype(jnp.float32), 0.0)
 
 
-def _rounding(x32, r, nz, n, inv, seg, k, fp8_max) -> list:
-  """[underflow, subnormal, overflow, saturated, sqnr_db] per tensor of the elements under
-  `nz`, `r` the rounding of x32 (both scaled alike), `inv` 1/amax per element;
-  `fp8_max` the fp8 max per element (0 where the format is not fp8; None: no fp8 format,
-  saturated is 0); also the finiteness and magnitude of `r`."""
+def _rounding(x, r, nz, n, inv, fp8_max) -> list:
+  """[underflow, overflow, saturated, sqnr_db] per row of the elements under `nz`, and the
+  finiteness and magnitude of `r` (the rounding of x, both scaled alike); `inv` [g, 1]
+  what SQNR's sums multiply by; `fp8_max` [g, 1] the fp8 max of each row's format (0: not
+  fp8), None when no row is fp8 (saturated is then 0)."""
   finite_r = jnp.isfinite(r)
   mag = jnp.abs(r)
-  underflow = _frac(_count(nz & (r == 0), seg, k), n)
-  overflow = _frac(_count(nz & ~finite_r, seg, k), n)
+  underflow = _frac(_count(nz & (r == 0)), n)
+  overflow = _frac(_count(nz & ~finite_r), n)
   if fp8_max is None:
-    saturated = jnp.zeros((k,), jnp.float32)
+    saturated = jnp.zeros(n.shape, jnp.float32)
   else:
-    saturated = _frac(_count(nz & (fp8_max > 0) & (mag == fp8_max), seg, k), n)
-  s = jnp.where(nz, x32 * inv, 0.0)
-  e = jnp.where(nz & finite_r, (x32 - r) * inv, 0.0)
-  signal, noise = _seg_sum(s * s, seg, k), _seg_sum(e * e, seg, k)
+    saturated = _frac(_count(nz & (fp8_max > 0) & (mag == fp8_max)), n)
+  s = jnp.where(nz, x * inv, 0.0)
+  e = jnp.where(nz & finite_r, (x - r) * inv, 0.0)
+  signal, noise = jnp.sum(s * s, axis=1), jnp.sum(e * e, axis=1)
   sqnr = jnp.where(noise > 0, 10.0 * jnp.log10(signal / jnp.where(noise > 0, noise, 1.0)),
                    jnp.inf)
   sqnr = jnp.where(overflow > 0, -jnp.inf, jnp.where(n > 0, sqnr, jnp.inf))
@@ -114,14 +109,57 @@ def _current_scale(amax, dtype):
                    np.float32(1.0))
 
 
+def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
+  """The statistics of each row of x (f32 [g, n]), row i rounded to dtypes[i]: [g, F]."""
+  size = x.shape[1]
+  finite = jnp.isfinite(x)
+  nz = finite & (x != 0)
+  n = _count(nz)
+  mag = jnp.where(nz, jnp.abs(x), 0.0)
+  amax = jnp.where(n > 0, jnp.max(mag, axis=1), 0.0)
+  amin = jnp.where(n > 0, jnp.min(jnp.where(nz, mag, jnp.inf), axis=1), 0.0)
+  drange = jnp.where(n > 0, jnp.log2(jnp.where(n > 0, amax, 1.0))
+                     - jnp.log2(jnp.where(n > 0, amin, 1.0)), 0.0)
+  # Each row's format: one rounding per distinct dtype, selected by row.
+  kinds = sorted(set(dtypes), key=str)
+  which = np.asarray([kinds.index(d) for d in dtypes], np.int32)[:, None]
+  r = x
+  fp8_max = np.zeros((len(dtypes), 1), np.float32)
+  smallest = np.zeros((len(dtypes), 1), np.float32)
+  for j, d in enumerate(kinds):
+    rows = which == j
+    if d.itemsize < 4:
+      r = jnp.where(rows, round_to(x, d), r) if len(kinds) > 1 else round_to(x, d)
+      smallest[rows] = formats.info(d).smallest_normal
+      if _stats.is_fp8(d):
+        fp8_max[rows] = formats.info(d).max
+  underflow, overflow, saturated, sqnr, finite_r, rmag = _rounding(
+      x, r, nz, n, _normaliser(amax)[:, None], fp8_max if fp8_max.any() else None)
+  subnormal = _frac(_count(nz & finite_r & (r != 0) & (rmag < smallest)), n)
+  total = jnp.full(n.shape, size, jnp.int32)
+  out = [n.astype(jnp.float32), _frac(_count(~finite), total), _frac(_count(x == 0), total),
+         amax, amin, drange, underflow, subnormal, overflow, saturated, sqnr]
+  if whatif:
+    for _, fmt, scaled in _stats.WHATIF:
+      if scaled:
+        scale = _current_scale(amax, fmt)
+        v, a = x * scale[:, None], amax * scale
+      else:
+        v, a = x, amax
+      u, o, _, q, _, _ = _rounding(v, round_to(v, fmt), nz, n, _normaliser(a)[:, None], None)
+      out += [u, o, q]
+  return jnp.stack([jnp.asarray(c, jnp.float32) for c in out], axis=1)
+
+
 def batch_stats(values, dtypes, whatif: bool = True) -> jnp.ndarray:
   """The statistics of each tensor `values[i]` rounded to `dtypes[i]`, as f32
   [len(values), len(FIELDS)] (BASE_FIELDS only when `whatif` is False). Definitions:
   precision.numerics.TensorStats.
 
-  All tensors are measured in one pass over their concatenation (segment sums by tensor),
-  so the program has a fixed number of operations whatever the number of tensors; it
-  holds one f32 copy of every tensor while it runs.
+  Tensors of one size are stacked and measured together (dense reductions along the
+  rows), so the program has one set of operations per distinct tensor size, not per
+  tensor (a transformer's layers repeat a few sizes); it holds one f32 copy of each
+  stacked group while it runs.
   """
   k = len(values)
   fields = FIELDS if whatif else BASE_FIELDS
@@ -129,56 +167,26 @@ def batch_stats(values, dtypes, whatif: bool = True) -> jnp.ndarray:
     return jnp.zeros((0, len(fields)), jnp.float32)
   dtypes = [np.dtype(d) for d in dtypes]
   sizes = [int(np.prod(np.shape(v))) for v in values]
-  # The tensor of each element. Behind an optimization barrier: XLA would otherwise try to
-  # constant-fold the segment sums of masks that are constant (seconds per sum).
-  seg = lax.optimization_barrier(jnp.asarray(np.repeat(np.arange(k, dtype=np.int32), sizes)))
-  x32 = jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in values])
-  size = jnp.asarray(np.asarray(sizes, np.int32))
-  finite = jnp.isfinite(x32)
-  nz = finite & (x32 != 0)
-  n = _count(nz, seg, k)
-  mag = jnp.where(nz, jnp.abs(x32), 0.0)
-  amax = jax.ops.segment_max(mag, seg, num_segments=k, indices_are_sorted=True)
-  amax = jnp.where(n > 0, amax, 0.0)
-  amin = jax.ops.segment_min(jnp.where(nz, mag, jnp.inf), seg, num_segments=k,
-                             indices_are_sorted=True)
-  amin = jnp.where(n > 0, amin, 0.0)
-  drange = jnp.where(n > 0, jnp.log2(jnp.where(n > 0, amax, 1.0))
-                     - jnp.log2(jnp.where(n > 0, amin, 1.0)), 0.0)
-  inv_t = _normaliser(amax)
-  # The format each element is rounded to: one rounding per distinct dtype, selected.
-  kinds = sorted(set(dtypes), key=str)
-  dtype_of = np.repeat(np.asarray([kinds.index(d) for d in dtypes], np.int32), sizes)
-  r = x32
-  fp8_max = np.zeros(len(kinds), np.float32)
-  smallest = np.zeros(len(kinds), np.float32)
-  for j, d in enumerate(kinds):
-    if d.itemsize < 4:
-      r = jnp.where(jnp.asarray(dtype_of == j), round_to(x32, d), r)
-      smallest[j] = formats.info(d).smallest_normal
-      if _stats.is_fp8(d):
-        fp8_max[j] = formats.info(d).max
-  per_elem = jnp.asarray(dtype_of)
-  underflow, overflow, saturated, sqnr, finite_r, rmag = _rounding(
-      x32, r, nz, n, inv_t[seg], seg, k,
-      jnp.asarray(fp8_max)[per_elem] if fp8_max.any() else None)
-  subnormal = _frac(_count(nz & finite_r & (r != 0)
-                           & (rmag < jnp.asarray(smallest)[per_elem]), seg, k), n)
-  out = [n.astype(jnp.float32), _frac(_count(~finite, seg, k), size),
-         _frac(_count(x32 == 0, seg, k), size), amax, amin, drange,
-         underflow, subnormal, overflow, saturated, sqnr]
-  if whatif:
-    for _, fmt, scaled in _stats.WHATIF:
-      if scaled:
-        scale_t = _current_scale(amax, fmt)
-        v = x32 * scale_t[seg]
-        a = amax * scale_t
-      else:
-        v, a = x32, amax
-      inv = _normaliser(a)
-      u, o, _, q, _, _ = _rounding(v, round_to(v, fmt), nz, n, inv[seg], seg, k, None)
-      out += [u, o, q]
-  return jnp.stack([jnp.asarray(c, jnp.float32) for c in out], axis=1)
+  groups: dict[int, list[int]] = {}
+  for i, n in enumerate(sizes):
+    groups.setdefault(n, []).append(i)
+  blocks, order = [], []
+  for n, idx in groups.items():
+    x = jnp.stack([jnp.ravel(values[i]).astype(jnp.float32) for i in idx])
+    blocks.append(_empty(len(idx), whatif) if n == 0 else
+                  _block_stats(x, [dtypes[i] for i in idx], whatif))
+    order += idx
+  if len(blocks) == 1:
+    return blocks[0]
+  # Back to the callers' order: a static permutation of k rows.
+  return jnp.concatenate(blocks)[jnp.asarray(np.argsort(np.asarray(order)))]
+
+
+def _empty(g: int, whatif: bool) -> jnp.ndarray:
+  """Rows of empty tensors: no nonzero element, SQNR +inf (rounding loses nothing)."""
+  names = FIELDS if whatif else BASE_FIELDS
+  row = np.asarray([np.inf if f.endswith("sqnr_db") else 0.0 for f in names], np.float32)
+  return jnp.asarray(np.tile(row, (g, 1)))
 
 
 def tensor_stats(x, dtype, whatif: bool = True) -> jnp.ndarray:

@@ -33,7 +33,6 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import core as jex_core
 
 from precision import _compat
