@@ -227,14 +227,16 @@ def markdown(res: dict) -> str:
     lines.append("")
   if "telemetry" in res:
     t = res["telemetry"]
-    lines += [f"## Numerics telemetry: `{t['model']}` GPT cell, batch {t['batch']} x seq "
+    lines += [f"## Numerics telemetry: GPT cell under {t['recipe']}, batch {t['batch']} x seq "
               f"{t['seq']} (medians of {t['repeats']}, interleaved)", "",
-              "| recipe | tensors | telemetry / step | overhead every 100 steps | "
-              "every 10 | telemetry compile s |", "|---|---|---|---|---|---|"]
+              "| model | GEMM tensors | what-if | telemetry / step | overhead every 100 steps | "
+              "every 10 | compile s |", "|---|---|---|---|---|---|---|"]
     for name, r in t["rows"].items():
-      lines.append(f"| {name} | {r['tensors']} | {r['telemetry_over_step']:.2f}x | "
-                   f"{r['overhead_every_100']:.2%} | {r['overhead_every_10']:.1%} | "
-                   f"{r['telemetry_compile_s']:.1f} |")
+      for key, label in (("whatif", "yes"), ("no_whatif", "no")):
+        c = r[key]
+        lines.append(f"| {name} | {r['tensors']} | {label} | {c['telemetry_over_step']:.2f}x | "
+                     f"{c['overhead_every_100']:.2%} | {c['overhead_every_10']:.1%} | "
+                     f"{c['compile_s']:.1f} |")
     lines.append("")
   return "\n".join(lines) + "\n"
 
