@@ -44,9 +44,10 @@ import re
 import shutil
 import uuid
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from precision._recipe import Recipe
@@ -109,10 +110,51 @@ class Restored(NamedTuple):
 
 
 def _json_data(data: Any) -> dict | None:
+  """The data sampler's position as a JSON dict of integers.
+
+  Every value must be an integer (Python, NumPy, or an integer scalar array): a float is
+  refused, not truncated (a seed of 1.7 would come back as 1, another stream), and so is
+  a bool (it would come back as 0 or 1).
+  """
   if data is None:
     return None
-  d = data._asdict() if hasattr(data, "_asdict") else dict(data)
-  return {k: int(v) for k, v in d.items()}
+  accepted = ("None, or a dict or NamedTuple of str -> integer (the data sampler's "
+              "position, e.g. {'seed': 0, 'step': 12})")
+  if hasattr(data, "_asdict"):
+    d = data._asdict()
+  elif isinstance(data, Mapping):
+    d = dict(data)
+  else:
+    raise ValueError(f"data={data!r}; accepted: {accepted}")
+  out = {}
+  for k, v in d.items():
+    if not isinstance(k, str):
+      raise ValueError(f"data has the key {k!r} (a {type(k).__name__}); accepted: {accepted}")
+    out[k] = _integer(f"data[{k!r}]", v)
+  return out
+
+
+def _integer(what: str, v: Any) -> int:
+  if isinstance(v, (jax.Array, np.ndarray)) and v.shape == () and (
+      np.issubdtype(v.dtype, np.integer)):
+    return int(v)
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+    raise ValueError(f"{what}={v!r}; accepted: an integer (Python, NumPy or an integer "
+                     "scalar array); floats and bools are refused, not converted")
+  return int(v)
+
+
+def _check_directory(directory: Any) -> str:
+  """The absolute path of a checkpoint directory argument, or ValueError."""
+  accepted = "a non-empty path (str or os.PathLike of str) without NUL characters"
+  if not isinstance(directory, (str, os.PathLike)):
+    raise ValueError(f"directory={directory!r} (a {type(directory).__name__}); "
+                     f"accepted: {accepted}")
+  path = os.fspath(directory)
+  # "" would be the current directory (abspath("") == os.getcwd()): never what is meant.
+  if not isinstance(path, str) or not path or "\0" in path:
+    raise ValueError(f"directory={directory!r}; accepted: {accepted}")
+  return os.path.abspath(path)
 
 
 def _check_json(what: str, value: Any) -> None:
@@ -211,7 +253,7 @@ class Checkpointer:
       raise ValueError(f"keep={keep!r}; accepted: an integer >= 1 (number of checkpoints "
                        "kept)")
     self._key = _integrity.check_key(key)
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = _check_directory(directory)
     self.keep = int(keep)
     self._lock: WriterLock | None = None
     self._record: _owner.RunRecord | None = None
@@ -363,6 +405,18 @@ class Checkpointer:
       for a step written by a newer version of precision.
     """
     _check_state("target", target)
+    if recipe is not None and not isinstance(recipe, Recipe):
+      raise ValueError(f"recipe={recipe!r}; accepted: None (the saved recipe) or a "
+                       "precision.Recipe (precision.get_recipe(name) for a preset)")
+    if optimizer_for is not None and not callable(optimizer_for):
+      raise ValueError(f"optimizer_for={optimizer_for!r}; accepted: None or a callable "
+                       "recipe -> optax transformation")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+      raise ValueError(f"mesh={mesh!r}; accepted: None or a jax.sharding.Mesh")
+    if not isinstance(allow_unverified, bool):
+      raise ValueError(f"allow_unverified={allow_unverified!r}; accepted: True or False")
+    if model_config is not None:
+      _check_json("model_config", model_config)
     candidates = self._resolve(step)
     skipped: list[str] = []
     for s in candidates:
