@@ -96,7 +96,13 @@ def cast_floating(tree: T, dtype: Any) -> T:
   An abstract leaf (`jax.ShapeDtypeStruct`) gets the new dtype, shape and sharding kept:
   what `jax.eval_shape` of the cast gives, so abstract trees plan memory correctly.
   """
-  dtype = np.dtype(dtype)
+  if dtype is None:  # np.dtype(None) would be float64
+    raise ValueError("dtype=None; accepted: a float dtype or its name (f32, bf16, ...)")
+  try:
+    dtype = np.dtype(_NAME_TO_DTYPE.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+  except TypeError as e:
+    raise ValueError(f"dtype={dtype!r}: not a dtype; accepted: a float dtype or its name "
+                     f"({_accepted_dtypes()})") from e
 
   def cast(x):
     if _is_floating_array(x) and x.dtype != dtype:

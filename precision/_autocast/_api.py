@@ -504,6 +504,9 @@ def autocast(fn: Callable, policy: Any,
     ...     state, params, x, y)
     >>> state = mp.fp8.merge_state_grads(new, cts)
   """
+  if not callable(fn):
+    raise ValueError(f"autocast: fn={fn!r}; accepted: a callable (the function to run "
+                     "under the policy)")
   spec = AutocastSpec.make(policy, overrides, fp32_ops, fp8_state=fp8_state)
   _refuse_f64_without_x64(spec)
 

@@ -144,31 +144,55 @@ def _integer(what: str, v: Any) -> int:
   return int(v)
 
 
-def _check_directory(directory: Any) -> str:
-  """The absolute path of a checkpoint directory argument, or ValueError."""
+def check_directory(directory: Any, name: str = "directory") -> str:
+  """The absolute path of a checkpoint directory argument (`name`), or ValueError."""
   accepted = "a non-empty path (str or os.PathLike of str) without NUL characters"
   if not isinstance(directory, (str, os.PathLike)):
-    raise ValueError(f"directory={directory!r} (a {type(directory).__name__}); "
+    raise ValueError(f"{name}={directory!r} (a {type(directory).__name__}); "
                      f"accepted: {accepted}")
   path = os.fspath(directory)
   # "" would be the current directory (abspath("") == os.getcwd()): never what is meant.
   if not isinstance(path, str) or not path or "\0" in path:
-    raise ValueError(f"directory={directory!r}; accepted: {accepted}")
+    raise ValueError(f"{name}={directory!r}; accepted: {accepted}")
   return os.path.abspath(path)
 
 
 def _check_json(what: str, value: Any) -> None:
+  accepted = ("accepted: dicts (with str keys) and lists of str, finite numbers, bools and "
+              "None")
   try:
     json.dumps(value, allow_nan=False)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"{what}={value!r} cannot be saved as strict JSON ({e}); accepted: "
-                     "dicts/lists of str, finite numbers, bools and None") from None
+    raise ValueError(f"{what}={value!r} cannot be saved as strict JSON ({e}); "
+                     f"{accepted}") from None
+  # json.dumps writes the key 1 as "1": the dict read back would not be the one saved.
+  stack = [value]
+  while stack:
+    v = stack.pop()
+    if isinstance(v, dict):
+      keys = [k for k in v if not isinstance(k, str)]
+      if keys:
+        raise ValueError(f"{what}={value!r} has the key {keys[0]!r} (a "
+                         f"{type(keys[0]).__name__}), which JSON would read back as "
+                         f"{json.dumps(str(keys[0]))}; {accepted}")
+      stack.extend(v.values())
+    elif isinstance(v, (list, tuple)):
+      stack.extend(v)
 
 
 def _check_state(what: str, state: Any) -> None:
-  """A TrainState in full shapes, or ValueError saying what to pass instead."""
+  """A TrainState in full shapes whose leaves are arrays or ShapeDtypeStructs, or
+  ValueError saying what to pass instead."""
   if not isinstance(state, TrainState):
     raise ValueError(f"{what} must be a precision.TrainState, got {type(state).__name__}")
+  # What the checksums and Orbax handle: leaves with a shape and a dtype (arrays,
+  # ShapeDtypeStructs); a str or a Python number in the tree would fail inside them.
+  is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_array)[0]:
+    if not is_array(leaf):
+      raise ValueError(
+          f"{what}{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; accepted: a "
+          "TrainState whose leaves are arrays (jax or numpy) or jax.ShapeDtypeStructs")
   if state.layout is not None:
     # A DataParallel state holds shards laid out for one device count; a checkpoint holds
     # full shapes, so that any device count (or one device) can resume from it.
@@ -253,7 +277,7 @@ class Checkpointer:
       raise ValueError(f"keep={keep!r}; accepted: an integer >= 1 (number of checkpoints "
                        "kept)")
     self._key = _integrity.check_key(key)
-    self.directory = _check_directory(directory)
+    self.directory = check_directory(directory)
     self.keep = int(keep)
     self._lock: WriterLock | None = None
     self._record: _owner.RunRecord | None = None
@@ -666,8 +690,13 @@ class Checkpointer:
     """
     if not isinstance(recipe, Recipe):
       raise ValueError(f"recipe must be a precision.Recipe, got {type(recipe).__name__}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+    if seed is not None and (isinstance(seed, (bool, np.bool_))
+                             or not isinstance(seed, numbers.Integral)):
       raise ValueError(f"seed={seed!r}; accepted: an integer or None")
+    seed = None if seed is None else int(seed)  # a NumPy int is written as JSON too
+    if model_config is not None and not isinstance(model_config, dict):
+      raise ValueError(f"model_config={model_config!r} (a {type(model_config).__name__}); "
+                       "accepted: None or a JSON dict")
     _check_json("model_config", model_config)
     self.acquire()
     record = self._record or _owner.read(self.directory)

@@ -170,8 +170,19 @@ class DataParallel:
         return jax.device_put(jnp.array(x, copy=True), replicated)
       return jax.device_put(np.asarray(x), replicated)
 
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+      raise ValueError(f"params={params!r} holds no arrays; accepted: a pytree of floating "
+                       "arrays (numpy or jax)")
+    for path, x in leaves:
+      if not isinstance(x, (jax.Array, np.ndarray, np.generic, float)):
+        raise ValueError(f"params leaf {jax.tree_util.keystr(path)} is a "
+                         f"{type(x).__name__}; accepted: floating arrays (numpy or jax)")
     params = jax.tree.map(place, params)
     fp8_state = jax.tree.map(place, fp8_state)
+    # Checked before the cast to the param dtype, which would make integer or bool leaves
+    # floats and train them.
+    ParamLayout.of(params, self.cfg.devices)
     cast = lambda tree: jax.tree.map(
         lambda x: x.astype(self._param_dtype or x.dtype), tree)
     layout = ParamLayout.of(jax.eval_shape(cast, params), self.cfg.devices)
