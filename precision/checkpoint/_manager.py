@@ -42,6 +42,7 @@ import numbers
 import os
 import re
 import shutil
+import time
 import uuid
 import warnings
 from typing import Any, Callable, Mapping, NamedTuple
@@ -77,6 +78,8 @@ FORMAT_VERSION = 2
 _LEGACY_FORMAT = 1
 _STATE, _META = "state", os.path.join("meta", "metadata")
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+# Rescans of a restore whose step a writer deleted (rotation) or replaced while it was read.
+_RESCANS = 20
 _PARTIAL = re.compile(r"\.(tmp|old|del)-([0-9]+)-[0-9a-f]+|([0-9]+)\.orbax-checkpoint-tmp.*")
 
 
@@ -320,15 +323,19 @@ class Checkpointer:
         bad.append((name, "a symbolic link; step folders are never links, and never "
                           "followed"))
       elif not os.path.isdir(path):
-        bad.append((name, "a file, not a step folder"))
+        if os.path.lexists(path):  # else deleted by a writer's rotation since listdir
+          bad.append((name, "a file, not a step folder"))
       elif _integrity.has_manifest(path):
         steps[int(name)] = True
       elif _is_legacy(path):
         steps[int(name)] = False
-      elif not os.listdir(path):
-        bad.append((name, "empty"))
       else:
-        bad.append((name, f"no {_integrity.MANIFEST}: deleted, or not written by "
+        try:
+          empty = not os.listdir(path)
+        except FileNotFoundError:
+          continue  # deleted by a writer's rotation while this scan ran
+        bad.append((name, "empty") if empty else
+                   (name, f"no {_integrity.MANIFEST}: deleted, or not written by "
                           "precision.checkpoint"))
     return _Scan(steps, bad, partial)
 
@@ -441,32 +448,67 @@ class Checkpointer:
       raise ValueError(f"allow_unverified={allow_unverified!r}; accepted: True or False")
     if model_config is not None:
       _check_json("model_config", model_config)
-    candidates = self._resolve(step)
-    skipped: list[str] = []
-    for s in candidates:
+    for _ in range(_RESCANS):
+      candidates = self._resolve_settled(step)
+      skipped: list[str] = []
+      for s in candidates:
+        ident = _identity(self._step_dir(s))
+        try:
+          r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh,
+                                 allow_unverified)
+        except Exception as e:  # pylint: disable=broad-except  (re-raised unless vanished)
+          if self._vanished(s, ident):
+            break  # deleted or replaced by a writer while read: scan again
+          if step is not None or not isinstance(e, CheckpointDamagedError):
+            raise
+          skipped.append(str(e))
+          older = [c for c in candidates if c < s]
+          warnings.warn(f"{e}; {'trying step ' + str(older[0]) if older else 'no older step'}",
+                        CheckpointFallbackWarning, stacklevel=2)
+          continue
+        return self._reported(r, s, step, skipped)
+      else:
+        raise CheckpointDamagedError(
+            f"No intact checkpoint in {self.directory}: " + " | ".join(skipped))
+      if step is not None:
+        raise ValueError(f"step={step!r} of {self.directory} was deleted or replaced while "
+                         "it was being read (a writer's rotation: keep more steps, or "
+                         "restore the newest one)")
+    raise CheckpointError(
+        f"Checkpoint {self.directory}: each step was deleted by a writer's rotation before "
+        f"it could be read, {_RESCANS} times in a row; the writer saves faster than one "
+        "restore reads (keep=1?): keep more steps (Checkpointer(keep=2)) or read less often")
+
+  def _vanished(self, step: int, ident: tuple[int, int] | None) -> bool:
+    """Whether step folder `step` is gone or is another folder than when its read began
+    (`ident`): rotated away or replaced by a writer, which is no damage."""
+    return ident is None or _identity(self._step_dir(step)) != ident
+
+  def _resolve_settled(self, step: int | None) -> list[int]:
+    """`_resolve`, waiting out a writer that is replacing the only step: between moving it
+    aside (``.old-<step>-...``) and renaming its new version in, no step is complete."""
+    for _ in range(_RESCANS):
       try:
-        r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh,
-                               allow_unverified)
-      except CheckpointDamagedError as e:
-        if step is not None:
+        return self._resolve(step)
+      except NoCheckpointError:
+        if step is not None or not any(p.startswith(".old-") for p in self._scan().partial):
           raise
-        skipped.append(str(e))
-        older = [c for c in candidates if c < s]
-        warnings.warn(f"{e}; {'trying step ' + str(older[0]) if older else 'no older step'}",
-                      CheckpointFallbackWarning, stacklevel=2)
-        continue
-      if step is None:
-        # Newer step-like folders that are no checkpoint (a deleted manifest, a stray
-        # folder) are reported too: the newest folder is not what was restored.
-        for name, why in self._scan().not_checkpoints:
-          if int(name) > s:
-            note = f"Checkpoint {self.directory} folder '{name}' is not a checkpoint ({why})"
-            skipped.append(note)
-            warnings.warn(f"{note}; restored step {s}", CheckpointFallbackWarning,
-                          stacklevel=2)
-      return r._replace(skipped=tuple(skipped))
-    raise CheckpointDamagedError(
-        f"No intact checkpoint in {self.directory}: " + " | ".join(skipped))
+      time.sleep(0.01)
+    return self._resolve(step)
+
+  def _reported(self, r: Restored, s: int, step: int | None,
+                skipped: list[str]) -> Restored:
+    """`r` with `skipped`; when restoring the newest step, newer step-like folders that
+    are no checkpoint (a deleted manifest, a stray folder) are reported too: the newest
+    folder is not what was restored."""
+    if step is None:
+      for name, why in self._scan().not_checkpoints:
+        if int(name) > s:
+          note = f"Checkpoint {self.directory} folder '{name}' is not a checkpoint ({why})"
+          skipped.append(note)
+          warnings.warn(f"{note}; restored step {s}", CheckpointFallbackWarning,
+                        stacklevel=3)
+    return r._replace(skipped=tuple(skipped))
 
   def _restore_step(self, step, target, recipe, model_config, optimizer_for,
                     mesh, allow_unverified=False) -> Restored:
