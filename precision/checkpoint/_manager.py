@@ -411,7 +411,11 @@ class Checkpointer:
     The step's files are checked against the checksums written with them before Orbax
     reads them, and the restored arrays after. When `step` is None and the newest step
     is damaged, it is reported (a `CheckpointFallbackWarning` per damaged step, and
-    `Restored.skipped`) and the next older step is tried, down to the oldest.
+    `Restored.skipped`) and the next older step is tried, down to the oldest. A step a
+    writer deletes (its `keep` rotation) or replaces while it is being read is no damage:
+    the directory is scanned again and the newest complete step read instead (a reader
+    beside a trainer gets the newest complete step, or NoCheckpointError before the
+    first save).
 
     Args:
       target: a TrainState (arrays or ShapeDtypeStructs, possibly sharded) built for
@@ -433,7 +437,9 @@ class Checkpointer:
       (it is not created); CheckpointDamagedError when no candidate step is intact;
       CheckpointMismatchError (a ValueError) naming the first differing leaf (and model
       config field) when the target does not fit the checkpoint; CheckpointFormatError
-      for a step written by a newer version of precision.
+      for a step written by a newer version of precision; ValueError for an explicit
+      `step` deleted or replaced while it was read; CheckpointError when a writer rotated
+      each newest step away before it could be read, 20 times in a row.
     """
     _check_state("target", target)
     if recipe is not None and not isinstance(recipe, Recipe):
@@ -792,6 +798,10 @@ class Checkpointer:
            model_config: dict | None = None, seed: int | None = None, data: Any = None,
            extra: dict | None = None) -> None:
     """Writes `state` and its metadata as checkpoint `step` (blocks until on disk).
+
+    `data` (the data sampler's position) is None or a dict / NamedTuple of str ->
+    integer: floats and bools are refused, not converted. `model_config` and `extra` are
+    JSON dicts with str keys (a key 1 would read back as "1").
 
     The first save takes the writer lock and checks or records the directory's run
     (`claim`). The step is complete on disk, checksums included, before it replaces an
