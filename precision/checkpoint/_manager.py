@@ -817,11 +817,12 @@ class Checkpointer:
           f"{jax.process_count()} (checksums and the atomic rename need every array on "
           "this host); accepted: a single-process job")
     _check_json("extra", extra)
+    data = _json_data(data)  # checked before claim writes anything
     record = self.claim(recipe=recipe, model_config=model_config, seed=seed)
     meta = _files.stamp({"step": step, "recipe": recipe.to_dict(),
                          "model_config": model_config,
                          "seed": None if seed is None else int(seed),
-                         "run_id": record.run_id, "data": _json_data(data), "extra": extra},
+                         "run_id": record.run_id, "data": data, "extra": extra},
                         FORMAT_VERSION)
     _check_json("meta", meta)
     tmp = os.path.join(self.directory, f".tmp-{step}-{uuid.uuid4().hex[:8]}")
