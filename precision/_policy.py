@@ -41,25 +41,36 @@ def _accepted_dtypes() -> str:
   return ", ".join(sorted(_NAME_TO_DTYPE))
 
 
-def parse_dtype(value: Any) -> np.dtype:
+def parse_dtype(value: Any, name: str = "dtype") -> np.dtype:
   """Parses a dtype name (jmp's aliases plus fp8 names) or a dtype-like into a float np.dtype.
+
+  `name` is the argument the value was given as, named in the error (``param_dtype``).
+  None is refused: NumPy reads ``np.dtype(None)`` as float64, which no caller means.
 
   Note: jmp maps "half" to bf16 on TPU and f16 elsewhere; we always map it to f16 so a
   policy string means the same thing on every backend.
+
+  Raises:
+    ValueError: naming `name`, the value and the accepted names, for an unknown name, a
+      non-float dtype, None or anything that is not a dtype.
   """
   if isinstance(value, str):
     key = value.strip()
     if key not in _NAME_TO_DTYPE:
       raise ValueError(
-          f"Unknown dtype {value!r}; accepted names: {_accepted_dtypes()}")
+          f"{name}={value!r}: unknown dtype; accepted names: {_accepted_dtypes()}")
     return _NAME_TO_DTYPE[key]
+  if value is None or isinstance(value, (bool, np.bool_, int, float, complex, bytes)):
+    # np.dtype(None) is float64 and np.dtype(3) is an error of NumPy's: never a choice.
+    raise ValueError(f"{name}={value!r}: not a dtype; accepted names: {_accepted_dtypes()}")
   try:
     dt = np.dtype(value)
-  except TypeError as e:
-    raise ValueError(f"Not a dtype: {value!r}; accepted names: {_accepted_dtypes()}") from e
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{name}={value!r}: not a dtype; accepted names: "
+                     f"{_accepted_dtypes()}") from e
   if dt not in _DTYPE_NAMES:
     raise ValueError(
-        f"Policy dtypes must be floating point formats, got {dt.name!r}; "
+        f"{name}={value!r}: policy dtypes must be floating point formats, got {dt.name!r}; "
         f"accepted: {_accepted_dtypes()}")
   return dt
 
@@ -85,7 +96,13 @@ def cast_floating(tree: T, dtype: Any) -> T:
   An abstract leaf (`jax.ShapeDtypeStruct`) gets the new dtype, shape and sharding kept:
   what `jax.eval_shape` of the cast gives, so abstract trees plan memory correctly.
   """
-  dtype = np.dtype(dtype)
+  if dtype is None:  # np.dtype(None) would be float64
+    raise ValueError("dtype=None; accepted: a float dtype or its name (f32, bf16, ...)")
+  try:
+    dtype = np.dtype(_NAME_TO_DTYPE.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+  except TypeError as e:
+    raise ValueError(f"dtype={dtype!r}: not a dtype; accepted: a float dtype or its name "
+                     f"({_accepted_dtypes()})") from e
 
   def cast(x):
     if _is_floating_array(x) and x.dtype != dtype:
@@ -115,7 +132,7 @@ class Policy:
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
-      object.__setattr__(self, field, parse_dtype(getattr(self, field)))
+      object.__setattr__(self, field, parse_dtype(getattr(self, field), field))
 
   def cast_to_param(self, tree: T) -> T:
     return cast_floating(tree, self.param_dtype)
@@ -127,13 +144,13 @@ class Policy:
     return cast_floating(tree, self.output_dtype)
 
   def with_param_dtype(self, dtype: Any) -> Policy:
-    return dataclasses.replace(self, param_dtype=parse_dtype(dtype))
+    return dataclasses.replace(self, param_dtype=parse_dtype(dtype, "param_dtype"))
 
   def with_compute_dtype(self, dtype: Any) -> Policy:
-    return dataclasses.replace(self, compute_dtype=parse_dtype(dtype))
+    return dataclasses.replace(self, compute_dtype=parse_dtype(dtype, "compute_dtype"))
 
   def with_output_dtype(self, dtype: Any) -> Policy:
-    return dataclasses.replace(self, output_dtype=parse_dtype(dtype))
+    return dataclasses.replace(self, output_dtype=parse_dtype(dtype, "output_dtype"))
 
   @property
   def is_full_precision(self) -> bool:
@@ -156,8 +173,9 @@ def get_policy(policy: str | Policy) -> Policy:
   through; a `jmp.Policy` becomes the Policy of its three dtypes.
 
   Raises:
-    ValueError: naming the bad token and listing what is accepted, for an empty string,
-      an unknown key or dtype, a duplicated key or a non-float dtype.
+    ValueError: naming the policy, the bad token and what is accepted, for an empty
+      string, an unknown key or dtype, a duplicated key, a non-float dtype or a value that
+      is no string, Policy or jmp.Policy.
 
   Examples:
     >>> str(get_policy("p=f32,c=bf16"))
@@ -171,29 +189,33 @@ def get_policy(policy: str | Policy) -> Policy:
   if jmp_policy is not None and isinstance(policy, jmp_policy):
     return Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
   if not isinstance(policy, str):
-    raise ValueError(f"A policy is a string, a Policy or a jmp.Policy, got {policy!r}")
+    raise ValueError(f"policy={policy!r}; accepted: a policy string ('p=f32,c=bf16,o=f32' "
+                     "or a bare dtype), a Policy or a jmp.Policy")
   text = policy.strip()
   if not text:
     raise ValueError(
-        "Empty policy string; expected e.g. 'p=f32,c=bf16,o=f32' or a bare dtype "
-        f"({_accepted_dtypes()})")
+        f"policy={policy!r}: Empty policy string; expected e.g. 'p=f32,c=bf16,o=f32' or a "
+        f"bare dtype ({_accepted_dtypes()})")
   if "=" not in text:
-    dt = parse_dtype(text)
+    dt = parse_dtype(text, "policy")
     return Policy(dt, dt, dt)
   found: dict[str, np.dtype] = {}
   for part in text.split(","):
     if part.count("=") != 1:
       raise ValueError(
-          f"Bad policy part {part!r} in {policy!r}; expected KEY=DTYPE with KEY one of "
+          f"policy={policy!r}: bad part {part!r}; expected KEY=DTYPE with KEY one of "
           f"{', '.join(_KEYS)}")
     key, value = (s.strip() for s in part.split("="))
     if key not in _KEYS:
       raise ValueError(
-          f"Unknown key {key!r} in {policy!r}; accepted keys: {', '.join(_KEYS)}")
+          f"policy={policy!r}: Unknown key {key!r}; accepted keys: {', '.join(_KEYS)}")
     field = _KEYS[key]
     if field in found:
-      raise ValueError(f"Duplicated key {key!r} ({field}) in {policy!r}")
-    found[field] = parse_dtype(value)
+      raise ValueError(f"policy={policy!r}: Duplicated key {key!r} ({field})")
+    try:
+      found[field] = parse_dtype(value, key)
+    except ValueError as e:
+      raise ValueError(f"policy={policy!r}: {e}") from None
   param = found.get("param", np.dtype(jnp.float32))
   compute = found.get("compute", param)
   output = found.get("output", compute)

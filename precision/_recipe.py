@@ -455,10 +455,8 @@ class Recipe:
       raise _bad("name", self.name, "a non-empty string")
     if not isinstance(self.policy, (str, Policy)):
       raise _bad("policy", self.policy, "a policy string such as 'p=f32,c=bf16,o=f32'")
-    try:
-      _set(self, "policy", get_policy(self.policy))
-    except ValueError as e:
-      raise ValueError(f"policy={self.policy!r}: {e}") from e
+    # get_policy's ValueError names the policy ("policy='p=f33': ...").
+    _set(self, "policy", get_policy(self.policy))
     for part in ("param_dtype", "compute_dtype", "output_dtype"):
       dt = getattr(self.policy, part)
       if dtype_name(dt) not in STORAGE_DTYPES:
@@ -688,6 +686,7 @@ def get_recipe(name: str | Recipe) -> Recipe:
   """
   if isinstance(name, Recipe):
     return name
-  if name not in PRESETS:
-    raise ValueError(f"Unknown recipe {name!r}; presets: {', '.join(PRESETS)}")
+  if not isinstance(name, str) or name not in PRESETS:
+    raise ValueError(f"Unknown recipe {name!r}; accepted: a Recipe or a preset name: "
+                     f"{', '.join(PRESETS)}")
   return PRESETS[name]

@@ -73,7 +73,7 @@ def test_get_policy(name, dtype):
 
 
 def test_get_policy_almost_dtype():
-  with pytest.raises(ValueError, match="Unknown dtype"):
+  with pytest.raises(ValueError, match="unknown dtype"):
     mp.get_policy("compute_float16")
 
 
@@ -387,7 +387,7 @@ def test_get_policy_accepts_a_jmp_policy():
     assert mp.get_policy(jmp.get_policy(text)) == mp.get_policy(text)
   assert mp.Recipe("r", mp.get_policy(jmp.get_policy("c=bf16"))).policy == mp.get_policy(
       "c=bf16")
-  with pytest.raises(ValueError, match="a jmp.Policy, got 3"):
+  with pytest.raises(ValueError, match=r"policy=3; accepted: .*a jmp\.Policy"):
     mp.get_policy(3)
 
 

@@ -420,6 +420,23 @@ def register_scope_hook(hook: Callable) -> None:
 # ----------------------------------------------------------------------------- public
 
 
+def _refuse_f64_without_x64(spec: AutocastSpec) -> None:
+  """Raises for an f64 dtype in the policy or an override while jax_enable_x64 is off:
+  JAX would then make every f64 value f32, and the function would silently compute in
+  f32 under a policy that says f64."""
+  if jax.config.jax_enable_x64:
+    return
+  for where, pol in [("policy", spec.policy)] + [
+      (f"override {_overrides.key_name(r.key)}", r.policy) for r in spec.rules]:
+    for part in ("param_dtype", "compute_dtype", "output_dtype"):
+      if np.dtype(getattr(pol, part)) == np.dtype(np.float64):
+        raise ValueError(
+            f"{where}={str(pol)!r}: its {part} is f64, but jax_enable_x64 is off, so JAX "
+            "computes f64 values in f32; accepted: f32, bf16, f16 or fp8 dtypes, or f64 "
+            "after jax.config.update('jax_enable_x64', True)")
+
+
+
 def autocast(fn: Callable, policy: Any,
              overrides: Mapping[Any, Any] | None = None, *,
              fp32_ops=None, fp8_state: bool = False) -> Callable:
@@ -495,7 +512,11 @@ def autocast(fn: Callable, policy: Any,
     ...     state, params, x, y)
     >>> state = mp.fp8.merge_state_grads(new, cts)
   """
+  if not callable(fn):
+    raise ValueError(f"autocast: fn={fn!r}; accepted: a callable (the function to run "
+                     "under the policy)")
   spec = AutocastSpec.make(policy, overrides, fp32_ops, fp8_state=fp8_state)
+  _refuse_f64_without_x64(spec)
 
   def init_state(*args, **kwargs):
     """{site key: Fp8DotState}, fresh (zero histories, unit scales), for the fp8 GEMMs

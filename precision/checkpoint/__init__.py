@@ -9,7 +9,9 @@ saved, falling back to the newest intact step (with a `CheckpointFallbackWarning
 `Restored.skipped`) when newer ones are damaged; ``restore(..., recipe=other,
 optimizer_for=...)`` converts to another recipe from the f32 master and says what it
 converted; a target that does not fit raises `CheckpointMismatchError` naming the first
-differing leaf. One process writes a directory at a time, and only the run it belongs to.
+differing leaf. One process writes a directory at a time, and only the run it belongs to;
+a reader beside it (an evaluator) gets the newest complete step, even while the writer's
+rotation deletes the one being read.
 `import_orbax` brings in a checkpoint written by plain Orbax.
 
 Examples:

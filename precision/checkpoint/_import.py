@@ -39,6 +39,7 @@ from precision.checkpoint import _tree
 from precision.checkpoint._errors import CheckpointMismatchError
 from precision.checkpoint._errors import NoCheckpointError
 from precision.checkpoint._manager import TrainState
+from precision.checkpoint._manager import check_directory
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -195,7 +196,7 @@ def import_orbax(path: str | os.PathLike, target: TrainState, recipe: Recipe | s
   if not hasattr(optimizer, "init"):
     raise ValueError(f"optimizer={optimizer!r}; accepted: the recipe's optax "
                      "GradientTransformation (precision.optim.build_optimizer)")
-  path = os.path.abspath(os.fspath(path))
+  path = check_directory(path, "path")
   item_dir, step = _find_item(path, item, step)
   what = f"Orbax checkpoint {item_dir}"
   saved_tree = _orbax.item_tree(item_dir, what)

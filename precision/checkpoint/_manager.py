@@ -42,11 +42,13 @@ import numbers
 import os
 import re
 import shutil
+import time
 import uuid
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from precision._recipe import Recipe
@@ -76,6 +78,8 @@ FORMAT_VERSION = 2
 _LEGACY_FORMAT = 1
 _STATE, _META = "state", os.path.join("meta", "metadata")
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+# Rescans of a restore whose step a writer deleted (rotation) or replaced while it was read.
+_RESCANS = 20
 _PARTIAL = re.compile(r"\.(tmp|old|del)-([0-9]+)-[0-9a-f]+|([0-9]+)\.orbax-checkpoint-tmp.*")
 
 
@@ -109,24 +113,89 @@ class Restored(NamedTuple):
 
 
 def _json_data(data: Any) -> dict | None:
+  """The data sampler's position as a JSON dict of integers.
+
+  Every value must be an integer (Python, NumPy, or an integer scalar array): a float is
+  refused, not truncated (a seed of 1.7 would come back as 1, another stream), and so is
+  a bool (it would come back as 0 or 1).
+  """
   if data is None:
     return None
-  d = data._asdict() if hasattr(data, "_asdict") else dict(data)
-  return {k: int(v) for k, v in d.items()}
+  accepted = ("None, or a dict or NamedTuple of str -> integer (the data sampler's "
+              "position, e.g. {'seed': 0, 'step': 12})")
+  if hasattr(data, "_asdict"):
+    d = data._asdict()
+  elif isinstance(data, Mapping):
+    d = dict(data)
+  else:
+    raise ValueError(f"data={data!r}; accepted: {accepted}")
+  out = {}
+  for k, v in d.items():
+    if not isinstance(k, str):
+      raise ValueError(f"data has the key {k!r} (a {type(k).__name__}); accepted: {accepted}")
+    out[k] = _integer(f"data[{k!r}]", v)
+  return out
+
+
+def _integer(what: str, v: Any) -> int:
+  if isinstance(v, (jax.Array, np.ndarray)) and v.shape == () and (
+      np.issubdtype(v.dtype, np.integer)):
+    return int(v)
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+    raise ValueError(f"{what}={v!r}; accepted: an integer (Python, NumPy or an integer "
+                     "scalar array); floats and bools are refused, not converted")
+  return int(v)
+
+
+def check_directory(directory: Any, name: str = "directory") -> str:
+  """The absolute path of a checkpoint directory argument (`name`), or ValueError."""
+  accepted = "a non-empty path (str or os.PathLike of str) without NUL characters"
+  if not isinstance(directory, (str, os.PathLike)):
+    raise ValueError(f"{name}={directory!r} (a {type(directory).__name__}); "
+                     f"accepted: {accepted}")
+  path = os.fspath(directory)
+  # "" would be the current directory (abspath("") == os.getcwd()): never what is meant.
+  if not isinstance(path, str) or not path or "\0" in path:
+    raise ValueError(f"{name}={directory!r}; accepted: {accepted}")
+  return os.path.abspath(path)
 
 
 def _check_json(what: str, value: Any) -> None:
+  accepted = ("accepted: dicts (with str keys) and lists of str, finite numbers, bools and "
+              "None")
   try:
     json.dumps(value, allow_nan=False)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"{what}={value!r} cannot be saved as strict JSON ({e}); accepted: "
-                     "dicts/lists of str, finite numbers, bools and None") from None
+    raise ValueError(f"{what}={value!r} cannot be saved as strict JSON ({e}); "
+                     f"{accepted}") from None
+  # json.dumps writes the key 1 as "1": the dict read back would not be the one saved.
+  stack = [value]
+  while stack:
+    v = stack.pop()
+    if isinstance(v, dict):
+      keys = [k for k in v if not isinstance(k, str)]
+      if keys:
+        raise ValueError(f"{what}={value!r} has the key {keys[0]!r} (a "
+                         f"{type(keys[0]).__name__}), which JSON would read back as "
+                         f"{json.dumps(str(keys[0]))}; {accepted}")
+      stack.extend(v.values())
+    elif isinstance(v, (list, tuple)):
+      stack.extend(v)
 
 
 def _check_state(what: str, state: Any) -> None:
-  """A TrainState in full shapes, or ValueError saying what to pass instead."""
+  """A TrainState in full shapes whose leaves are arrays or ShapeDtypeStructs, or
+  ValueError saying what to pass instead."""
   if not isinstance(state, TrainState):
     raise ValueError(f"{what} must be a precision.TrainState, got {type(state).__name__}")
+  # What the checksums and Orbax handle: leaves with a shape and a dtype (arrays,
+  # ShapeDtypeStructs); a str or a Python number in the tree would fail inside them.
+  is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_array)[0]:
+    if not is_array(leaf):
+      raise ValueError(
+          f"{what}{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; accepted: a "
+          "TrainState whose leaves are arrays (jax or numpy) or jax.ShapeDtypeStructs")
   if state.layout is not None:
     # A DataParallel state holds shards laid out for one device count; a checkpoint holds
     # full shapes, so that any device count (or one device) can resume from it.
@@ -211,7 +280,7 @@ class Checkpointer:
       raise ValueError(f"keep={keep!r}; accepted: an integer >= 1 (number of checkpoints "
                        "kept)")
     self._key = _integrity.check_key(key)
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = check_directory(directory)
     self.keep = int(keep)
     self._lock: WriterLock | None = None
     self._record: _owner.RunRecord | None = None
@@ -254,15 +323,19 @@ class Checkpointer:
         bad.append((name, "a symbolic link; step folders are never links, and never "
                           "followed"))
       elif not os.path.isdir(path):
-        bad.append((name, "a file, not a step folder"))
+        if os.path.lexists(path):  # else deleted by a writer's rotation since listdir
+          bad.append((name, "a file, not a step folder"))
       elif _integrity.has_manifest(path):
         steps[int(name)] = True
       elif _is_legacy(path):
         steps[int(name)] = False
-      elif not os.listdir(path):
-        bad.append((name, "empty"))
       else:
-        bad.append((name, f"no {_integrity.MANIFEST}: deleted, or not written by "
+        try:
+          empty = not os.listdir(path)
+        except FileNotFoundError:
+          continue  # deleted by a writer's rotation while this scan ran
+        bad.append((name, "empty") if empty else
+                   (name, f"no {_integrity.MANIFEST}: deleted, or not written by "
                           "precision.checkpoint"))
     return _Scan(steps, bad, partial)
 
@@ -338,7 +411,11 @@ class Checkpointer:
     The step's files are checked against the checksums written with them before Orbax
     reads them, and the restored arrays after. When `step` is None and the newest step
     is damaged, it is reported (a `CheckpointFallbackWarning` per damaged step, and
-    `Restored.skipped`) and the next older step is tried, down to the oldest.
+    `Restored.skipped`) and the next older step is tried, down to the oldest. A step a
+    writer deletes (its `keep` rotation) or replaces while it is being read is no damage:
+    the directory is scanned again and the newest complete step read instead (a reader
+    beside a trainer gets the newest complete step, or NoCheckpointError before the
+    first save).
 
     Args:
       target: a TrainState (arrays or ShapeDtypeStructs, possibly sharded) built for
@@ -360,35 +437,84 @@ class Checkpointer:
       (it is not created); CheckpointDamagedError when no candidate step is intact;
       CheckpointMismatchError (a ValueError) naming the first differing leaf (and model
       config field) when the target does not fit the checkpoint; CheckpointFormatError
-      for a step written by a newer version of precision.
+      for a step written by a newer version of precision; ValueError for an explicit
+      `step` deleted or replaced while it was read; CheckpointError when a writer rotated
+      each newest step away before it could be read, 20 times in a row.
     """
     _check_state("target", target)
-    candidates = self._resolve(step)
-    skipped: list[str] = []
-    for s in candidates:
+    if recipe is not None and not isinstance(recipe, Recipe):
+      raise ValueError(f"recipe={recipe!r}; accepted: None (the saved recipe) or a "
+                       "precision.Recipe (precision.get_recipe(name) for a preset)")
+    if optimizer_for is not None and not callable(optimizer_for):
+      raise ValueError(f"optimizer_for={optimizer_for!r}; accepted: None or a callable "
+                       "recipe -> optax transformation")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+      raise ValueError(f"mesh={mesh!r}; accepted: None or a jax.sharding.Mesh")
+    if not isinstance(allow_unverified, bool):
+      raise ValueError(f"allow_unverified={allow_unverified!r}; accepted: True or False")
+    if model_config is not None:
+      _check_json("model_config", model_config)
+    for _ in range(_RESCANS):
+      candidates = self._resolve_settled(step)
+      skipped: list[str] = []
+      for s in candidates:
+        ident = _identity(self._step_dir(s))
+        try:
+          r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh,
+                                 allow_unverified)
+        except Exception as e:  # pylint: disable=broad-except  (re-raised unless vanished)
+          if self._vanished(s, ident):
+            break  # deleted or replaced by a writer while read: scan again
+          if step is not None or not isinstance(e, CheckpointDamagedError):
+            raise
+          skipped.append(str(e))
+          older = [c for c in candidates if c < s]
+          warnings.warn(f"{e}; {'trying step ' + str(older[0]) if older else 'no older step'}",
+                        CheckpointFallbackWarning, stacklevel=2)
+          continue
+        return self._reported(r, s, step, skipped)
+      else:
+        raise CheckpointDamagedError(
+            f"No intact checkpoint in {self.directory}: " + " | ".join(skipped))
+      if step is not None:
+        raise ValueError(f"step={step!r} of {self.directory} was deleted or replaced while "
+                         "it was being read (a writer's rotation: keep more steps, or "
+                         "restore the newest one)")
+    raise CheckpointError(
+        f"Checkpoint {self.directory}: each step was deleted by a writer's rotation before "
+        f"it could be read, {_RESCANS} times in a row; the writer saves faster than one "
+        "restore reads (keep=1?): keep more steps (Checkpointer(keep=2)) or read less often")
+
+  def _vanished(self, step: int, ident: tuple[int, int] | None) -> bool:
+    """Whether step folder `step` is gone or is another folder than when its read began
+    (`ident`): rotated away or replaced by a writer, which is no damage."""
+    return ident is None or _identity(self._step_dir(step)) != ident
+
+  def _resolve_settled(self, step: int | None) -> list[int]:
+    """`_resolve`, waiting out a writer that is replacing the only step: between moving it
+    aside (``.old-<step>-...``) and renaming its new version in, no step is complete."""
+    for _ in range(_RESCANS):
       try:
-        r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh,
-                               allow_unverified)
-      except CheckpointDamagedError as e:
-        if step is not None:
+        return self._resolve(step)
+      except NoCheckpointError:
+        if step is not None or not any(p.startswith(".old-") for p in self._scan().partial):
           raise
-        skipped.append(str(e))
-        older = [c for c in candidates if c < s]
-        warnings.warn(f"{e}; {'trying step ' + str(older[0]) if older else 'no older step'}",
-                      CheckpointFallbackWarning, stacklevel=2)
-        continue
-      if step is None:
-        # Newer step-like folders that are no checkpoint (a deleted manifest, a stray
-        # folder) are reported too: the newest folder is not what was restored.
-        for name, why in self._scan().not_checkpoints:
-          if int(name) > s:
-            note = f"Checkpoint {self.directory} folder '{name}' is not a checkpoint ({why})"
-            skipped.append(note)
-            warnings.warn(f"{note}; restored step {s}", CheckpointFallbackWarning,
-                          stacklevel=2)
-      return r._replace(skipped=tuple(skipped))
-    raise CheckpointDamagedError(
-        f"No intact checkpoint in {self.directory}: " + " | ".join(skipped))
+      time.sleep(0.01)
+    return self._resolve(step)
+
+  def _reported(self, r: Restored, s: int, step: int | None,
+                skipped: list[str]) -> Restored:
+    """`r` with `skipped`; when restoring the newest step, newer step-like folders that
+    are no checkpoint (a deleted manifest, a stray folder) are reported too: the newest
+    folder is not what was restored."""
+    if step is None:
+      for name, why in self._scan().not_checkpoints:
+        if int(name) > s:
+          note = f"Checkpoint {self.directory} folder '{name}' is not a checkpoint ({why})"
+          skipped.append(note)
+          warnings.warn(f"{note}; restored step {s}", CheckpointFallbackWarning,
+                        stacklevel=3)
+    return r._replace(skipped=tuple(skipped))
 
   def _restore_step(self, step, target, recipe, model_config, optimizer_for,
                     mesh, allow_unverified=False) -> Restored:
@@ -612,8 +738,13 @@ class Checkpointer:
     """
     if not isinstance(recipe, Recipe):
       raise ValueError(f"recipe must be a precision.Recipe, got {type(recipe).__name__}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+    if seed is not None and (isinstance(seed, (bool, np.bool_))
+                             or not isinstance(seed, numbers.Integral)):
       raise ValueError(f"seed={seed!r}; accepted: an integer or None")
+    seed = None if seed is None else int(seed)  # a NumPy int is written as JSON too
+    if model_config is not None and not isinstance(model_config, dict):
+      raise ValueError(f"model_config={model_config!r} (a {type(model_config).__name__}); "
+                       "accepted: None or a JSON dict")
     _check_json("model_config", model_config)
     self.acquire()
     record = self._record or _owner.read(self.directory)
@@ -668,6 +799,10 @@ class Checkpointer:
            extra: dict | None = None) -> None:
     """Writes `state` and its metadata as checkpoint `step` (blocks until on disk).
 
+    `data` (the data sampler's position) is None or a dict / NamedTuple of str ->
+    integer: floats and bools are refused, not converted. `model_config` and `extra` are
+    JSON dicts with str keys (a key 1 would read back as "1").
+
     The first save takes the writer lock and checks or records the directory's run
     (`claim`). The step is complete on disk, checksums included, before it replaces an
     existing folder of the same step; then the oldest steps beyond `keep`, and any step
@@ -682,11 +817,12 @@ class Checkpointer:
           f"{jax.process_count()} (checksums and the atomic rename need every array on "
           "this host); accepted: a single-process job")
     _check_json("extra", extra)
+    data = _json_data(data)  # checked before claim writes anything
     record = self.claim(recipe=recipe, model_config=model_config, seed=seed)
     meta = _files.stamp({"step": step, "recipe": recipe.to_dict(),
                          "model_config": model_config,
                          "seed": None if seed is None else int(seed),
-                         "run_id": record.run_id, "data": _json_data(data), "extra": extra},
+                         "run_id": record.run_id, "data": data, "extra": extra},
                         FORMAT_VERSION)
     _check_json("meta", meta)
     tmp = os.path.join(self.directory, f".tmp-{step}-{uuid.uuid4().hex[:8]}")

@@ -52,7 +52,9 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
       is the same call).
     inner: e.g. ``optax.adamw(3e-4)``; for a fused recipe
       ``precision.optim.fused_adamw(3e-4)``.
-    seed: seed of stochastic rounding.
+    seed: seed of stochastic rounding: an int in [0, 2**32) (Python or NumPy; a bool, a
+      float or an int outside that range is refused, whether or not the recipe rounds
+      stochastically), an integer scalar array, or a `jax.random` key.
     axis_name: set when `update` runs inside shard_map/pmap on shards of the grads
       (ZeRO): the all-finite check and grad norm are reduced over this axis, and
       stochastic rounding counts elements by their GLOBAL flat index. That assumes
@@ -73,6 +75,7 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
     >>> opt_state = tx.init(params)
   """
   recipe = recipe_of(recipe)
+  _check_arguments(inner, seed, axis_name)
   if recipe.fused != _fused.is_fused_adamw(inner):
     if recipe.fused:
       raise ValueError(
@@ -102,6 +105,30 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
   elif param_dtype != _F32:
     tx = _direct.f32_update(tx)
   return _guarded(recipe, tx, axis_name)
+
+
+def _check_arguments(inner: Any, seed: Any, axis_name: Any) -> None:
+  """ValueError naming `inner`, `seed` or `axis_name` when it is not what build_optimizer
+  takes. The seed is checked here, at build time, for every recipe: stochastic rounding
+  would refuse it only at the first update, and a recipe without it would ignore it."""
+  if not isinstance(inner, optax.GradientTransformation):
+    raise ValueError(f"inner={inner!r}; accepted: an optax.GradientTransformation, e.g. "
+                     "optax.adamw(3e-4) (called, not the function optax.adamw)")
+  accepted = "an int in [0, 2**32), an integer scalar array, or a jax.random key"
+  if isinstance(seed, (jax.Array, np.ndarray)) and (
+      jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)
+      or (seed.shape == (2,) and seed.dtype == np.uint32)):
+    pass  # a jax.random key (typed, or raw uint32[2]): its bits are the seed
+  elif isinstance(seed, (jax.Array, np.ndarray)) and seed.shape == () and (
+      jnp.issubdtype(seed.dtype, jnp.integer)):
+    pass  # range-checked where it is used (precision.rounding), traced or not
+  elif isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+    raise ValueError(f"seed={seed!r} (a {type(seed).__name__}); accepted: {accepted}")
+  elif not 0 <= int(seed) < 2 ** 32:
+    raise ValueError(f"seed={int(seed)} is outside the uint32 range; accepted: {accepted}")
+  if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+    raise ValueError(f"axis_name={axis_name!r}; accepted: None or the name (a non-empty "
+                     "str) of the shard_map/pmap axis the update runs over")
 
 
 def _guarded(recipe: Recipe, tx: optax.GradientTransformation, axis_name: str | None

@@ -154,6 +154,9 @@ def _guard(inner, loss_scale, axis_name, skip):
   def update_fn(grads, state, params=None, *, value=None):
     # value: the step's loss (scaled or not), when the caller passes it: a non-finite
     # loss is a non-finite step even when every gradient is finite.
+    if not isinstance(state, GuardState):
+      raise ValueError(f"state is a {type(state).__name__}; accepted: the state this "
+                       "optimizer's init returned (a precision.optim GuardState)")
     _take_scale_read(state.loss_scale)
     grads = state.loss_scale.unscale(grads)
     finite = _tree.all_finite(grads)

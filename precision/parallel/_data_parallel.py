@@ -6,6 +6,7 @@ line but their reduce and gather, so they stay together.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Mapping
 
 import jax
@@ -41,8 +42,18 @@ def step_config(loss_fn, tx, *, zero_stage: int, plan: Plan | None, axis_name: s
                 devices: int, seed: int, gather: str = "step",
                 fp8_state: bool = False) -> StepConfig:
   """Validates the arguments shared by `data_parallel` and `data_parallel_pmap`."""
-  if zero_stage not in ZERO_STAGES:
-    raise ValueError(f"zero_stage={zero_stage!r}; accepted: 0, 1, 2, 3")
+  # An int: True == 1 and 1.0 == 1 are not stages (a flag or a float passed by mistake).
+  if (isinstance(zero_stage, (bool, np.bool_)) or not isinstance(zero_stage, (int, np.integer))
+      or zero_stage not in ZERO_STAGES):
+    raise ValueError(f"zero_stage={zero_stage!r}; accepted: the int 0, 1, 2 or 3")
+  if not callable(loss_fn):
+    raise ValueError(f"loss_fn={loss_fn!r}; accepted: a callable loss_fn(params, batch)")
+  if not isinstance(fp8_state, bool):
+    raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
+  if plan is None and (isinstance(seed, (bool, np.bool_)) or not isinstance(
+      seed, (int, np.integer)) or not 0 <= int(seed) < 2 ** 32):
+    # With a recipe, build_optimizer checks the seed (it also takes jax.random keys).
+    raise ValueError(f"seed={seed!r}; accepted: an int in [0, 2**32)")
   if gather not in GATHER_MODES:
     raise ValueError(f"gather={gather!r}; accepted: {', '.join(map(repr, GATHER_MODES))}")
   if gather == "layer" and fp8_state:
@@ -159,8 +170,19 @@ class DataParallel:
         return jax.device_put(jnp.array(x, copy=True), replicated)
       return jax.device_put(np.asarray(x), replicated)
 
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+      raise ValueError(f"params={params!r} holds no arrays; accepted: a pytree of floating "
+                       "arrays (numpy or jax)")
+    for path, x in leaves:
+      if not isinstance(x, (jax.Array, np.ndarray, np.generic, float)):
+        raise ValueError(f"params leaf {jax.tree_util.keystr(path)} is a "
+                         f"{type(x).__name__}; accepted: floating arrays (numpy or jax)")
     params = jax.tree.map(place, params)
     fp8_state = jax.tree.map(place, fp8_state)
+    # Checked before the cast to the param dtype, which would make integer or bool leaves
+    # floats and train them.
+    ParamLayout.of(params, self.cfg.devices)
     cast = lambda tree: jax.tree.map(
         lambda x: x.astype(self._param_dtype or x.dtype), tree)
     layout = ParamLayout.of(jax.eval_shape(cast, params), self.cfg.devices)
@@ -225,6 +247,7 @@ class DataParallel:
     """
     sharding = NamedSharding(self.mesh, P(self.axis_name))
     n = self.cfg.devices
+    check_batch_rows(batch)
 
     def one(path, x):
       if isinstance(x, jax.core.Tracer):
@@ -393,7 +416,12 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     >>> state, metrics = dp.step(state, batch)     # global batch, numpy arrays
     >>> checkpoint.save(path, 1, dp.state_for_checkpoint(state), recipe=recipe)
   """
-  if axis_name not in mesh.axis_names:
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh={mesh!r}; accepted: a jax.sharding.Mesh, e.g. "
+                     "jax.make_mesh((8,), ('data',))")
+  if not isinstance(donate, bool):
+    raise ValueError(f"donate={donate!r}; accepted: True or False")
+  if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; accepted: "
                      f"{', '.join(map(str, mesh.axis_names))}")
   plan = plan_of(recipe, overrides)
@@ -402,6 +430,34 @@ def data_parallel(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                     fp8_state=fp8_state)
   param_dtype = None if plan is None else plan.param_dtype
   return DataParallel(cfg, mesh, param_dtype=param_dtype, donate=donate)
+
+
+def check_batch_rows(batch) -> None:
+  """Every batch leaf has the same number of rows, at least one: a zero-row batch has
+  a NaN mean loss (0 / 0) that the step would count as a finite step, and leaves of
+  different lengths would pair the rows of one example with another's."""
+  rows = []
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+      if not isinstance(x, (np.ndarray, np.generic, numbers.Number)):
+        raise ValueError(
+            f"batch leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}; accepted: "
+            "arrays (numpy or jax) with a leading batch axis")
+      shape = np.shape(x)
+    if shape and shape[0] == 0:
+      raise ValueError(
+          f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}: no rows; "
+          "accepted: a batch of at least one row per device")
+    if shape:
+      rows.append((jax.tree_util.keystr(path), int(shape[0])))
+  if len({r for _, r in rows}) > 1:
+    shown = ", ".join(f"{p}: {r}" for p, r in rows)
+    raise ValueError(f"batch leaves have different leading (batch) sizes ({shown}); "
+                     "accepted: every leaf with the same number of rows")
+  if not jax.tree_util.tree_leaves(batch):
+    raise ValueError(f"batch={batch!r} holds no arrays; accepted: a pytree of arrays "
+                     "with a leading batch axis")
 
 
 def plan_of(recipe: Plan | Recipe | str | None,

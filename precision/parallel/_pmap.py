@@ -16,7 +16,7 @@ import optax
 from precision._plan import Plan
 from precision._recipe import Recipe
 from precision._state import TrainState
-from precision.parallel._data_parallel import plan_of, step_config
+from precision.parallel._data_parallel import check_batch_rows, plan_of, step_config
 from precision.parallel._layout import ParamLayout
 from precision.parallel._step import local_init, local_step
 
@@ -57,6 +57,7 @@ class PmapDataParallel:
   def shard_batch(self, batch):
     """The global batch -> leaves of shape (devices, rows per device, ...), pmap's layout."""
     n = self.cfg.devices
+    check_batch_rows(batch)
 
     def split(x):
       x = np.asarray(x)
