@@ -399,6 +399,11 @@ bad("build_optimizer-fused-inner", "inner",
     lambda: optim.build_optimizer("bf16_sr", optim.fused_adamw(1e-3)))
 BAD_SEEDS = [-1, 1.5, True, False, 2 ** 32, -2 ** 40, "0", None, np.float32(1), [0],
              np.array([1, 2, 3]), np.array(1.0), np.bool_(True)]
+for v in BAD_SEEDS:
+  if v is not None:  # None is fused_adamw's "build_optimizer's seed"
+    bad(f"fused_adamw-seed-{short(v)}", "seed", lambda v=v: optim.fused_adamw(1e-3, seed=v))
+for v in (None, "1e-3", True, [1e-3]):
+  bad(f"fused_adamw-lr-{short(v)}", "learning_rate", lambda v=v: optim.fused_adamw(v))
 for recipe in ("bf16_sr", "bf16_master", "fp32", "f16_mixed"):
   for v in BAD_SEEDS:
     bad(f"build_optimizer-{recipe}-seed-{short(v)}", "seed",

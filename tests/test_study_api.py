@@ -232,3 +232,20 @@ def test_linen_model_without_collections_returns_the_output():
   m = _models.LinenModel(module, params, {}, jax.random.key(1), training=True)
   out = m(x)
   assert isinstance(out, jax.Array) and out.shape == (2, 3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(control=["fp32"]), "control="),
+    (dict(overrides={"*": "f33"}), "overrides="),
+])
+def test_make_config_names_the_bad_argument(kwargs, match):
+  from precision.study import _config
+  with pytest.raises(ValueError, match=match):
+    _config.make_config(["fp32", "bf16_mixed"], 2, 4, **kwargs)
+
+
+def test_task_rng_streams_none_is_refused():
+  import optax
+  with pytest.raises(ValueError, match="rng_streams"):
+    study.Task(init=lambda s: {"w": jnp.ones(2)}, loss=lambda p, b: jnp.sum(p["w"]),
+               batches=lambda s: iter([]), optimizer=optax.sgd(0.1), rng_streams=None)

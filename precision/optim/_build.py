@@ -114,6 +114,14 @@ def _check_arguments(inner: Any, seed: Any, axis_name: Any) -> None:
   if not isinstance(inner, optax.GradientTransformation):
     raise ValueError(f"inner={inner!r}; accepted: an optax.GradientTransformation, e.g. "
                      "optax.adamw(3e-4) (called, not the function optax.adamw)")
+  check_seed(seed)
+  if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+    raise ValueError(f"axis_name={axis_name!r}; accepted: None or the name (a non-empty "
+                     "str) of the shard_map/pmap axis the update runs over")
+
+
+def check_seed(seed: Any) -> None:
+  """ValueError naming `seed` unless it is a stochastic-rounding seed."""
   accepted = "an int in [0, 2**32), an integer scalar array, or a jax.random key"
   if isinstance(seed, (jax.Array, np.ndarray)) and (
       jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)
@@ -126,9 +134,6 @@ def _check_arguments(inner: Any, seed: Any, axis_name: Any) -> None:
     raise ValueError(f"seed={seed!r} (a {type(seed).__name__}); accepted: {accepted}")
   elif not 0 <= int(seed) < 2 ** 32:
     raise ValueError(f"seed={int(seed)} is outside the uint32 range; accepted: {accepted}")
-  if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
-    raise ValueError(f"axis_name={axis_name!r}; accepted: None or the name (a non-empty "
-                     "str) of the shard_map/pmap axis the update runs over")
 
 
 def _guarded(recipe: Recipe, tx: optax.GradientTransformation, axis_name: str | None

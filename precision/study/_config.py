@@ -100,6 +100,9 @@ def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *
   dup = sorted({n for n in names if names.count(n) > 1})
   if dup:
     raise ValueError(f"recipes {dup} are named twice; accepted: distinct recipe names")
+  if not isinstance(control, str):
+    raise ValueError(f"control={control!r}; accepted: a recipe name (str), one of {names} "
+                     "or a preset")
   if control not in names:
     if control in PRESETS:
       resolved.insert(0, get_recipe(control))
@@ -133,9 +136,12 @@ def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *
     if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
       raise ValueError(f"overrides={overrides!r}; accepted: a dict of scope patterns "
                        "(strings) to policies")
-    pairs = tuple(sorted((k, str(get_policy(v))) for k, v in overrides.items()))
-    for r in control_first:
-      bind(r, overrides=dict(pairs))  # a bad pattern or policy fails here, before any cell
+    try:
+      pairs = tuple(sorted((k, str(get_policy(v))) for k, v in overrides.items()))
+      for r in control_first:
+        bind(r, overrides=dict(pairs))  # a bad pattern or policy fails here, before any cell
+    except ValueError as e:
+      raise ValueError(f"overrides={dict(overrides)!r}: {e}") from e
   return StudyConfig(tuple(_with_growth(r, growth) for r in control_first), seeds, steps,
                      eval_every, save_every, control, aa, g, max_nonfinite, pairs)
 

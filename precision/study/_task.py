@@ -95,11 +95,11 @@ class Task:
     streams = self.rng_streams
     if isinstance(streams, str):
       streams = (streams,)
-    streams = tuple(streams)
-    if not all(isinstance(s, str) and s for s in streams):
+    if not isinstance(streams, (tuple, list)) or not all(isinstance(s, str) and s
+                                                         for s in streams):
       raise ValueError(f"Task.rng_streams={self.rng_streams!r}; accepted: a tuple of "
                        "non-empty rng names, e.g. ('dropout',)")
-    object.__setattr__(self, "rng_streams", streams)
+    object.__setattr__(self, "rng_streams", tuple(streams))
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"Task.name={self.name!r}; accepted: a non-empty string")
 
