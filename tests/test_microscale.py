@@ -6,6 +6,7 @@ which is exact there; f32 IEEE arithmetic for NVFP4, which defines its scales in
 ml_dtypes casts; they share no code with precision.fp8._microscale.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -267,3 +268,118 @@ def test_hadamard_is_orthogonal():
   ha, hb = rht(a), rht(b)
   np.testing.assert_array_equal(np.asarray(ha).T @ np.asarray(hb), a.T @ b)
   assert not np.array_equal(np.asarray(jax.jit(mpf.hadamard_matrix)(4)), h.astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------
+# Recipes: mxfp8 / nvfp4 through precision.autocast and the fp8 dot_general.
+
+DIMS = (32, 64, 64, 64, 32)
+
+
+def _mlp_params(seed=0):
+  keys = jax.random.split(jax.random.key(seed), len(DIMS) - 1)
+  return [jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a)
+          for k, a, b in zip(keys, DIMS[:-1], DIMS[1:])]
+
+
+def _loss(ws, x, y):
+  for w in ws[:-1]:
+    x = jnp.tanh(x @ w)
+  return jnp.mean((x @ ws[-1] - y) ** 2)
+
+
+def _data():
+  kx, ky = jax.random.split(jax.random.key(1))
+  return (jax.random.normal(kx, (32, DIMS[0]), jnp.float32),
+          jax.random.normal(ky, (32, DIMS[-1]), jnp.float32))
+
+
+def test_presets_and_config_round_trip():
+  for name, scaling, fmts in (("mxfp8", "mxfp8", ("e4m3", "e4m3")),
+                              ("nvfp4", "nvfp4", ("e2m1", "e2m1"))):
+    r = mp.get_recipe(name)
+    assert r.fp8.scaling == scaling
+    assert (r.fp8.forward_format, r.fp8.backward_format) == fmts
+    assert mp.Recipe.from_dict(r.to_dict()) == r
+  nv = mp.get_recipe("nvfp4").fp8
+  assert nv.block_size == 16 and nv.stochastic_gradients and nv.hadamard_wgrad
+  assert mp.get_recipe("mxfp8").fp8.block_size == 32
+  assert mp.get_recipe("mxfp8").fp8.scale_rounding == "up"
+  # The other configs' dicts are unchanged: no microscaled field is written for them,
+  # and a dict without them reads their defaults.
+  d = mp.get_recipe("fp8_hybrid").fp8.to_dict()
+  assert not {"micro_block", "scale_rounding", "stochastic_gradients", "hadamard_wgrad",
+              "seed"} & set(d)
+  assert mp.Fp8Config.from_dict(d) == mp.get_recipe("fp8_hybrid").fp8
+  c = mp.Fp8Config(scaling="mxfp8", micro_block=64, scale_rounding="floor", seed=3)
+  assert c.to_dict()["micro_block"] == 64 and mp.Fp8Config.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(forward_format="e2m1"), r"fp8\.forward_format='e2m1'.*e4m3 or e5m2.*'delayed'"),
+    (dict(scaling="delayed", backward_format="e2m1"), r"fp8\.backward_format='e2m1'"),
+    (dict(scaling="nvfp4"), r"fp8\.forward_format='e4m3'; accepted: e2m1"),
+    (dict(scaling="current", micro_block=32), r"fp8\.micro_block=32.*mxfp8, nvfp4"),
+    (dict(scaling="mxfp8", scale_rounding="nearest"), r"fp8\.scale_rounding.*up, floor"),
+    (dict(scaling="mxfp8", stochastic_gradients=True), r"fp8\.stochastic_gradients"),
+    (dict(scaling="mxfp8", micro_block=0), r"fp8\.micro_block=0"),
+    (dict(scaling="mxfp8", seed=-1), r"fp8\.seed=-1"),
+])
+def test_bad_microscaled_configs(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    mp.Fp8Config(**kwargs)
+
+
+def test_block_not_dividing_the_contraction_is_refused():
+  recipe = mp.Recipe("mx48", "p=f32,c=bf16,o=f32",
+                     fp8=mp.Fp8Config(scaling="mxfp8", keep_first_last=False))
+  ws = [jnp.ones((48, 32), jnp.float32)]
+  f = lambda ws, x: jnp.sum(x @ ws[0])
+  with pytest.raises(ValueError, match=r"fp8\.micro_block=32 \(mxfp8\) does not divide K"):
+    jax.eval_shape(mp.autocast(f, recipe), ws, jnp.ones((32, 48), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _fake(name, x, axis):
+  """x quantised in the format's blocks along `axis` (E4M3 elements for mxfp8), in f32."""
+  if name == "mxfp8":
+    return mpf.mxfp8_dequantize(*mpf.mxfp8_quantize(x, "e4m3", axis=axis), axis=axis)
+  return mpf.nvfp4_dequantize(*mpf.nvfp4_quantize(x, axis=axis), axis=axis)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_autocast_gemm_is_the_format_emulation(name):
+  """The forward GEMM of a selected site is the f32 product of the operands quantised
+  along the contraction (the reference built from the public quantisers)."""
+  base = mp.get_recipe(name)
+  recipe = base.replace(name=f"{name}_all",
+                        fp8=dataclasses.replace(base.fp8, keep_first_last=False))
+  ws, (x, _) = _mlp_params(), _data()
+  f = lambda ws, x: x @ ws[1]
+  h = jax.jit(lambda x, w: jnp.tanh(x @ w))(x, ws[0])
+  got = jax.jit(mp.autocast(f, recipe))(ws, h)
+  # The operands reach the fp8 GEMM as they arrive (f32 here); its result is rounded
+  # once to the compute dtype (bf16), then cast to the output dtype.
+  a, b = _fake(name, h, 1), _fake(name, ws[1], 0)
+  want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(got.astype(jnp.bfloat16), np.float32))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2 ** -8, atol=1e-6)
+  unquantised = np.asarray(h, np.float64) @ np.asarray(ws[1], np.float64)
+  assert np.max(np.abs(want - unquantised)) > 10 * np.max(np.abs(np.asarray(got) - want))
+  sites = mp.fp8.autocast_gemms(f, recipe, ws, h)
+  assert [s.fp8 for s in sites] == [True]
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_plain_jax_mlp_trains(name):
+  ws, (x, y) = _mlp_params(), _data()
+  sites = mp.fp8.autocast_gemms(_loss, name, ws, x, y)
+  assert [s.fp8 for s in sites] == [False, True, True, False]  # first and last in bf16
+  vg = jax.jit(jax.value_and_grad(mp.autocast(_loss, name)))
+  losses = []
+  for _ in range(12):
+    loss, g = vg(ws, x, y)
+    losses.append(float(loss))
+    ws = [w - 0.2 * gw for w, gw in zip(ws, g)]
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
