@@ -268,6 +268,8 @@ def test_hadamard_is_orthogonal():
   ha, hb = rht(a), rht(b)
   np.testing.assert_array_equal(np.asarray(ha).T @ np.asarray(hb), a.T @ b)
   assert not np.array_equal(np.asarray(jax.jit(mpf.hadamard_matrix)(4)), h.astype(np.float32))
+  # The transform is the matrix: H D applied to each run of 16 (exact here: small integers).
+  np.testing.assert_array_equal(np.asarray(ha)[16:32], h.astype(np.float32) @ a[16:32])
 
 
 # ---------------------------------------------------------------------------------------

@@ -138,8 +138,15 @@ def _bwd(static: _Static, res, g):
 micro_bmm.defvjp(_fwd, _bwd)
 
 
+def scope_name(scaling: str) -> str:
+  """The jax.named_scope around every microscaled GEMM ("mxfp8_gemm", "nvfp4_gemm"): the
+  lowering's op names carry it, so the audit tells these f32 GEMMs from others."""
+  return f"{scaling}_gemm"
+
+
 def micro_dot(a: jax.Array, b: jax.Array, spec: MicroSpec, out_dtype: Any) -> jax.Array:
   """The microscaled GEMM of canonical operands (see the module docstring)."""
   spec.check(a.shape[1], a.shape[2], b.shape[2])
   static = _Static(spec, np.dtype(out_dtype), np.dtype(a.dtype), np.dtype(b.dtype))
-  return micro_bmm(static, a, b)
+  with jax.named_scope(scope_name(spec.scaling)):
+    return micro_bmm(static, a, b)

@@ -290,8 +290,23 @@ def hadamard_matrix(seed: Any = 0, size: int = HADAMARD) -> jax.Array:
 
 def random_hadamard(x: jax.Array, axis: int, seed: Any = 0, size: int = HADAMARD) -> jax.Array:
   """x (f32) with every run of `size` elements along `axis` multiplied by H D
-  (`hadamard_matrix`); the axis length must be a multiple of `size`."""
+  (`hadamard_matrix`); the axis length must be a multiple of `size`.
+
+  Computed as a fast Walsh-Hadamard transform (log2(size) stages of sums and differences,
+  then the exact scaling by 1/sqrt(size) for sizes 4**k), so it adds no GEMM to the
+  program (the audit counts GEMMs) and rounds only in those sums.
+  """
+  if size < 1 or size & (size - 1):
+    raise ValueError(f"size={size!r}; accepted: a power of two")
   xb, axis = _to_blocks(x.astype(_F32), axis, size, "random_hadamard")
-  out = jnp.einsum("ij,...j->...i", hadamard_matrix(seed, size), xb,
-                   precision=lax.Precision.HIGHEST, preferred_element_type=_F32)
-  return _from_blocks(out, axis)
+  signs = _hash.random_bits(seed, 0, (size,)) >> _u32(31)
+  d = jnp.where(signs == 1, jnp.asarray(-1.0, _F32), jnp.asarray(1.0, _F32))
+  y = xb * d.reshape((1,) * (xb.ndim - 1) + (size,))
+  lead = y.shape[:-1]
+  h = 1
+  while h < size:  # Sylvester order: stage h pairs the elements whose index differs in bit h
+    y = y.reshape(lead + (size // (2 * h), 2, h))
+    a, b = y[..., 0, :], y[..., 1, :]
+    y = jnp.stack([a + b, a - b], axis=-2).reshape(lead + (size,))
+    h *= 2
+  return _from_blocks(y * jnp.asarray(1.0 / np.sqrt(size), _F32), axis)
