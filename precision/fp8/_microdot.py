@@ -87,10 +87,13 @@ class MicroSpec:
           f"hadamard_wgrad=False")
 
 
-def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
-  """[B, M, K] x [B, K, N] -> [B, M, N], f32 operands, f32 accumulation."""
-  return lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), precision=lax.Precision.HIGHEST,
-                         preferred_element_type=_F32)
+def _mm(a: jax.Array, b: jax.Array, out_spec: tuple | None = None) -> jax.Array:
+  """[B, M, K] x [B, K, N] -> [B, M, N], f32 operands, f32 accumulation; `out_spec`: the
+  result's PartitionSpec entries under explicit sharding (needed when K is sharded)."""
+  return lax.dot_general(
+      a, b, (((2,), (1,)), ((0,), (0,))), precision=lax.Precision.HIGHEST,
+      preferred_element_type=_F32,
+      out_sharding=None if out_spec is None else jax.sharding.PartitionSpec(*out_spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +134,11 @@ def _bwd(static: _Static, res, g):
     g32 = ms.random_hadamard(g32, 1, spec.seed)
   aq = spec.fake_quantize(a32, 1, spec.forward_format)
   gq = spec.fake_quantize(g32, 1, spec.backward_format, sr, _WGRAD)
-  db = _mm(jnp.swapaxes(aq, 1, 2), gq)
+  # Under explicit sharding M (the batch rows) may be sharded: the weight gradient is
+  # laid out as the weight is (as precision.fp8._dot does).
+  from precision.fp8._dot import _spec  # pylint: disable=g-import-not-at-top
+  sharded = _spec(a) is not None or _spec(g) is not None
+  db = _mm(jnp.swapaxes(aq, 1, 2), gq, (_spec(b) or (None,) * 3) if sharded else None)
   return da.astype(static.lhs_dtype), db.astype(static.rhs_dtype)
 
 
