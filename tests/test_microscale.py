@@ -380,15 +380,22 @@ def test_plain_jax_mlp_trains(name):
   assert [s.fp8 for s in sites] == [False, True, True, False]  # first and last in bf16
   vg = jax.jit(jax.value_and_grad(mp.autocast(_loss, name)))
   losses = []
-  for _ in range(12):
+  for _ in range(8):
     loss, g = vg(ws, x, y)
     losses.append(float(loss))
-    ws = [w - 0.2 * gw for w, gw in zip(ws, g)]
+    ws = [w - 0.5 * gw for w, gw in zip(ws, g)]
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
 
 
 def _nv_fake(x, axis):
   return mpf.nvfp4_dequantize(*mpf.nvfp4_quantize(x, axis=axis), axis=axis)
+
+
+@jax.jit
+def _nv_backward_reference(a, b, g):
+  """(dgrad, wgrad) of a @ b with cotangent g, nearest rounding, Hadamard seed 11."""
+  rht = lambda x: mpf.random_hadamard(x, 0, 11)
+  return (_nv_fake(g, 1) @ _nv_fake(b, 1).T, _nv_fake(rht(a), 0).T @ _nv_fake(rht(g), 0))
 
 
 @pytest.mark.parametrize("stochastic", [False, True])
@@ -414,10 +421,7 @@ def test_nvfp4_gemm_backward_is_the_recipe(stochastic):
   da2, db2 = vjp(a, b, g)
   np.testing.assert_array_equal(np.asarray(da), np.asarray(da2))
   np.testing.assert_array_equal(np.asarray(db), np.asarray(db2))
-  ref = jax.jit(lambda a, b, g: (
-      _nv_fake(g, 1) @ _nv_fake(b, 1).T,
-      _nv_fake(mpf.random_hadamard(a, 0, 11), 0).T @ _nv_fake(mpf.random_hadamard(g, 0, 11), 0)))
-  da_ref, db_ref = (np.asarray(v, np.float64) for v in ref(a, b, g))
+  da_ref, db_ref = (np.asarray(v, np.float64) for v in _nv_backward_reference(a, b, g))
   exact = np.asarray(a, np.float64).T @ np.asarray(g, np.float64)
   if not stochastic:
     np.testing.assert_allclose(np.asarray(da), da_ref, rtol=1e-5, atol=1e-4)
