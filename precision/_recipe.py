@@ -380,12 +380,19 @@ class Fp8Config:
         raise _bad(f"{path}.micro_block", self.micro_block,
                    f"None with {path}.scaling={self.scaling!r} ({only('a block size')})")
     _check_choice(f"{path}.scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
+    if self.scale_rounding != "up" and self.scaling != "mxfp8":  # E8M0 scales only
+      raise _bad(f"{path}.scale_rounding", self.scale_rounding,
+                 f"'up' with {path}.scaling={self.scaling!r} (a choice only with "
+                 f"{path}.scaling='mxfp8')")
     for field in ("stochastic_gradients", "hadamard_wgrad"):
       _set(self, field, _check_bool(f"{path}.{field}", getattr(self, field)))
       if getattr(self, field) and self.scaling != "nvfp4":
         raise _bad(f"{path}.{field}", True, f"false with {path}.scaling={self.scaling!r} "
                    f"(true only with {path}.scaling='nvfp4')")
     _set(self, "seed", _check_int(f"{path}.seed", self.seed, 0, 2 ** 32 - 1))
+    if self.seed and self.scaling != "nvfp4":  # seeds the stochastic rounding / Hadamard
+      raise _bad(f"{path}.seed", self.seed, f"0 with {path}.scaling={self.scaling!r} (a "
+                 f"seed only with {path}.scaling='nvfp4')")
     for field in ("forward_format", "backward_format"):
       fmt = getattr(self, field)
       if self.scaling == "nvfp4" and fmt != "e2m1":

@@ -313,8 +313,11 @@ def test_presets_and_config_round_trip():
   assert not {"micro_block", "scale_rounding", "stochastic_gradients", "hadamard_wgrad",
               "seed"} & set(d)
   assert mp.Fp8Config.from_dict(d) == mp.get_recipe("fp8_hybrid").fp8
-  c = mp.Fp8Config(scaling="mxfp8", micro_block=64, scale_rounding="floor", seed=3)
+  c = mp.Fp8Config(scaling="mxfp8", micro_block=64, scale_rounding="floor")
   assert c.to_dict()["micro_block"] == 64 and mp.Fp8Config.from_dict(c.to_dict()) == c
+  nv = dataclasses.replace(nv, seed=3, hadamard_wgrad=False)
+  assert nv.to_dict()["seed"] == 3 and "hadamard_wgrad" not in nv.to_dict()  # default
+  assert mp.Fp8Config.from_dict(nv.to_dict()) == nv
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -326,6 +329,8 @@ def test_presets_and_config_round_trip():
     (dict(scaling="mxfp8", stochastic_gradients=True), r"fp8\.stochastic_gradients"),
     (dict(scaling="mxfp8", micro_block=0), r"fp8\.micro_block=0"),
     (dict(scaling="mxfp8", seed=-1), r"fp8\.seed=-1"),
+    (dict(scaling="mxfp8", seed=2), r"fp8\.seed=2.*only with fp8\.scaling='nvfp4'"),
+    (dict(scaling="current", scale_rounding="floor"), r"fp8\.scale_rounding='floor'"),
 ])
 def test_bad_microscaled_configs(kwargs, match):
   with pytest.raises(ValueError, match=match):
