@@ -452,3 +452,41 @@ def test_audit_requires_the_microscaled_gemms():
   bad = lower(jax.grad(mp.autocast(_loss, "bf16_mixed")), ws, x, y, platform="cuda")
   found = bad.violations("mxfp8")
   assert any("no fwd fp8 GEMM" in v for v in found) and any("no bwd" in v for v in found)
+
+
+@pytest.mark.parametrize("name", ["nvfp4"])  # mxfp8 takes the same path, fewer options
+def test_nnx_layers_and_autocast_are_bit_identical(name):
+  """The same NNX model and recipe (every GEMM microscaled): its fp8 layers
+  (`apply_fp8`) and `autocast` of the unmodified model give the same output and the same
+  gradients, bit for bit (one fp8_dot_general behind both)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([nnx.Linear(a, b, use_bias=False, rngs=rngs)
+                              for a, b in zip(DIMS[:-1], DIMS[1:])])
+
+    def __call__(self, x):
+      for layer in self.layers[:-1]:
+        x = jax.nn.relu(layer(x))
+      return self.layers[-1](x)
+
+  base = mp.get_recipe(name)
+  recipe = base.replace(name=f"{name}_all", fp8=dataclasses.replace(
+      base.fp8, keep_first_last=False, keep_high_precision=()))
+  x, _ = _data()
+  f = lambda m, x: m(x)
+  total = lambda g: lambda m, x: jnp.sum(g(m, x).astype(jnp.float32))
+  auto = mp.autocast(f, recipe)
+  with jax.numpy_dtype_promotion("standard"):  # user code: bf16 inputs meet f32 kernels
+    out_b = jax.jit(auto)(Net(nnx.Rngs(0)), x)
+    grads_b = nnx.jit(nnx.grad(total(auto), argnums=(0, 1)))(Net(nnx.Rngs(0)), x)
+    layered = mp.fp8.apply_fp8(Net(nnx.Rngs(0)), recipe.fp8, recipe.policy)
+    out_a = nnx.jit(f)(layered, x)
+    grads_a = nnx.jit(nnx.grad(total(f), argnums=(0, 1)))(layered, x)
+  np.testing.assert_array_equal(np.asarray(out_a, np.float32), np.asarray(out_b))
+  np.testing.assert_array_equal(np.asarray(grads_a[1]), np.asarray(grads_b[1]))
+  kernels_a, kernels_b = jax.tree.leaves(grads_a[0]), jax.tree.leaves(grads_b[0])
+  assert len(kernels_a) == len(kernels_b) == len(DIMS) - 1
+  for ka, kb in zip(kernels_a, kernels_b):
+    np.testing.assert_array_equal(np.asarray(ka), np.asarray(kb))
