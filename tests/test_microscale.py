@@ -454,6 +454,7 @@ def test_audit_requires_the_microscaled_gemms():
   assert any("no fwd fp8 GEMM" in v for v in found) and any("no bwd" in v for v in found)
 
 
+@pytest.mark.slow  # 5-16 s on the shared 2-core machine (two NNX jits and gradients)
 @pytest.mark.parametrize("name", ["nvfp4"])  # mxfp8 takes the same path, fewer options
 def test_nnx_layers_and_autocast_are_bit_identical(name):
   """The same NNX model and recipe (every GEMM microscaled): its fp8 layers
