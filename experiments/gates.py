@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -150,6 +151,14 @@ class GateLimits:
   grad: float = 8.0
 
 
+def _element_u(name: str) -> float:
+  """Unit roundoff of an fp8 config's element format (E2M1, nvfp4's, is no policy dtype:
+  its u = 2^-2 comes from ml_dtypes)."""
+  if name == "e2m1":
+    return float(ml_dtypes.finfo(ml_dtypes.float4_e2m1fn).eps) / 2
+  return mp.formats.info(name).unit_roundoff
+
+
 def unit_roundoffs(recipe: str | mp.Recipe) -> tuple[float, float, str]:
   """(forward u, backward u, description) of the formats `recipe` rounds GEMM inputs to.
 
@@ -164,11 +173,10 @@ def unit_roundoffs(recipe: str | mp.Recipe) -> tuple[float, float, str]:
   """
   recipe = mp.get_recipe(recipe)
   if recipe.fp8 is not None:
-    fwd, bwd = (mp.formats.info(recipe.fp8.forward_format),
-                mp.formats.info(recipe.fp8.backward_format))
-    return (fwd.unit_roundoff, bwd.unit_roundoff,
-            f"{fwd.name} u = 2^{int(math.log2(fwd.unit_roundoff))} forward, "
-            f"{bwd.name} u = 2^{int(math.log2(bwd.unit_roundoff))} backward")
+    fwd, bwd = (_element_u(recipe.fp8.forward_format), _element_u(recipe.fp8.backward_format))
+    return (fwd, bwd,
+            f"{recipe.fp8.forward_format} u = 2^{int(math.log2(fwd))} forward, "
+            f"{recipe.fp8.backward_format} u = 2^{int(math.log2(bwd))} backward")
   coarse = max((mp.formats.info(recipe.policy.param_dtype),
                 mp.formats.info(recipe.policy.compute_dtype)), key=lambda f: f.unit_roundoff)
   u = coarse.unit_roundoff

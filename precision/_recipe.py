@@ -27,6 +27,7 @@ import numbers
 import types
 from typing import Any, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from precision._fp32_ops import check_names
@@ -34,9 +35,14 @@ from precision._policy import Policy, dtype_name, get_policy, parse_dtype
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 LOSS_SCALE_KINDS = ("none", "static", "dynamic")
-FP8_SCALINGS = ("current", "delayed", "per_channel", "block")
+FP8_SCALINGS = ("current", "delayed", "per_channel", "block", "mxfp8", "nvfp4")
+# Microscaled scalings: one scale per small block along the contraction (precision.fp8's
+# mxfp8_quantize / nvfp4_quantize), GEMMs emulated on the dequantised values in f32.
+MICRO_SCALINGS = ("mxfp8", "nvfp4")
+MICRO_BLOCKS = {"mxfp8": 32, "nvfp4": 16}
 AMAX_COMPUTE = ("max", "most_recent")
-FP8_FORMATS = ("e4m3", "e5m2")
+FP8_FORMATS = ("e4m3", "e5m2", "e2m1")
+SCALE_ROUNDINGS = ("up", "floor")
 _F32 = np.dtype(np.float32)
 _SIXTEEN_BIT = (parse_dtype("bf16"), parse_dtype("f16"))
 # The formats a tensor may be stored or reduced in. f64 is not one: with JAX's default
@@ -295,8 +301,27 @@ class Fp8Config:
   `precision.fp8.apply_fp8` on an NNX model selects its layers by path only
   (`keep_high_precision`). Dicts written before this field existed read it as True.
 
+  Microscaled scalings (`precision.fp8.mxfp8_quantize`, `nvfp4_quantize`): every GEMM
+  operand is quantised in blocks of `micro_block` contiguous elements along the GEMM's
+  contraction (forward and both gradient GEMMs, each along its own contraction), and the
+  GEMM runs on the dequantised values in f32 (an emulation whose numbers are the format's).
+  "mxfp8": E4M3/E5M2 elements, E8M0 power-of-two scales rounded per `scale_rounding`
+  ("up": no element saturates, Mishra et al. 2025; "floor": OCP MX v1.0's rule), block 32
+  by default. "nvfp4": E2M1 elements (``forward_format = backward_format = "e2m1"``, the
+  only scaling that takes E2M1), E4M3 block scales and an f32 tensor scale, block 16 by
+  default; `stochastic_gradients` rounds the incoming gradient stochastically (a fresh
+  counter-based stream per gradient tensor, from `seed` and the tensor's bits), and
+  `hadamard_wgrad` applies a random 16x16 Hadamard transform (signs from `seed`) to both
+  operands of the weight-gradient GEMM along its contraction. These GEMMs keep no scaling
+  state (the state passes through unchanged); `margin`, `power_of_two`, the amax history
+  and the block tiles do not apply to them. `micro_block` (None: the format's block),
+  `scale_rounding`, `stochastic_gradients`, `hadamard_wgrad` and `seed` are written by
+  `to_dict` only when they differ from their defaults, and dicts without them read the
+  defaults.
+
   Examples:
     >>> Fp8Config(scaling="current", keep_high_precision=("*lm_head*",))
+    >>> Fp8Config(scaling="mxfp8", backward_format="e4m3")
   """
 
   forward_format: str = "e4m3"
@@ -310,6 +335,11 @@ class Fp8Config:
   weight_block: tuple[int, int] = (128, 128)
   keep_high_precision: tuple[str, ...] = ("*lm_head*", "*embed*")
   keep_first_last: bool = True
+  micro_block: int | None = None
+  scale_rounding: str = "up"
+  stochastic_gradients: bool = False
+  hadamard_wgrad: bool = False
+  seed: int = 0
 
   def __post_init__(self):
     self._validate("fp8")
@@ -317,8 +347,13 @@ class Fp8Config:
   def _validate(self, path: str) -> None:
     for field in ("forward_format", "backward_format"):
       value = getattr(self, field)
-      _set(self, field, dtype_name(_check_dtype(f"{path}.{field}", value, FP8_FORMATS)))
+      if isinstance(value, str) and value.strip() == "e2m1" or (
+          not isinstance(value, str) and _is_e2m1(value)):
+        _set(self, field, "e2m1")  # not a policy dtype: parse_dtype does not know it
+      else:
+        _set(self, field, dtype_name(_check_dtype(f"{path}.{field}", value, FP8_FORMATS)))
     _check_choice(f"{path}.scaling", self.scaling, FP8_SCALINGS)
+    self._validate_micro(path)
     _check_choice(f"{path}.amax_compute", self.amax_compute, AMAX_COMPUTE)
     _set(self, "amax_history_len", _check_int(f"{path}.amax_history_len",
                                               self.amax_history_len, 1, 65536))
@@ -338,21 +373,77 @@ class Fp8Config:
           f"{path}.scaling='block'; accepted: activation_block=[r, k], weight_block=[k, k] "
           "(equal contraction tiles)")
 
+  def _validate_micro(self, path: str) -> None:
+    """The microscaled fields, and which formats each scaling takes."""
+    micro = self.scaling in MICRO_SCALINGS
+    only = lambda what: f"{what} only with {path}.scaling in {', '.join(MICRO_SCALINGS)}"
+    if self.micro_block is not None:
+      _set(self, "micro_block", _check_int(f"{path}.micro_block", self.micro_block, 1, 65536))
+      if not micro:
+        raise _bad(f"{path}.micro_block", self.micro_block,
+                   f"None with {path}.scaling={self.scaling!r} ({only('a block size')})")
+    _check_choice(f"{path}.scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
+    if self.scale_rounding != "up" and self.scaling != "mxfp8":  # E8M0 scales only
+      raise _bad(f"{path}.scale_rounding", self.scale_rounding,
+                 f"'up' with {path}.scaling={self.scaling!r} (a choice only with "
+                 f"{path}.scaling='mxfp8')")
+    for field in ("stochastic_gradients", "hadamard_wgrad"):
+      _set(self, field, _check_bool(f"{path}.{field}", getattr(self, field)))
+      if getattr(self, field) and self.scaling != "nvfp4":
+        raise _bad(f"{path}.{field}", True, f"false with {path}.scaling={self.scaling!r} "
+                   f"(true only with {path}.scaling='nvfp4')")
+    _set(self, "seed", _check_int(f"{path}.seed", self.seed, 0, 2 ** 32 - 1))
+    if self.seed and self.scaling != "nvfp4":  # seeds the stochastic rounding / Hadamard
+      raise _bad(f"{path}.seed", self.seed, f"0 with {path}.scaling={self.scaling!r} (a "
+                 f"seed only with {path}.scaling='nvfp4')")
+    for field in ("forward_format", "backward_format"):
+      fmt = getattr(self, field)
+      if self.scaling == "nvfp4" and fmt != "e2m1":
+        raise _bad(f"{path}.{field}", fmt, f"e2m1 with {path}.scaling='nvfp4'")
+      if self.scaling != "nvfp4" and fmt == "e2m1":
+        raise _bad(f"{path}.{field}", fmt, f"e4m3 or e5m2 with {path}.scaling="
+                   f"{self.scaling!r} (e2m1 only with {path}.scaling='nvfp4': its E4M3 "
+                   "block scales and f32 tensor scale)")
+
+  @property
+  def block_size(self) -> int | None:
+    """The microscaled block length (`micro_block`, or the format's: mxfp8 32, nvfp4 16);
+    None for the other scalings."""
+    if self.scaling not in MICRO_SCALINGS:
+      return None
+    return self.micro_block if self.micro_block is not None else MICRO_BLOCKS[self.scaling]
+
   def to_dict(self) -> dict[str, Any]:
-    """JSON-safe dict of every field (tuples as lists)."""
+    """JSON-safe dict of every field (tuples as lists); the microscaled fields only when
+    they differ from their defaults (the dict of every other config is unchanged)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in _FP8_ADDED}
     return {k: list(v) if isinstance(v, tuple) else v
-            for k, v in dataclasses.asdict(self).items()}
+            for k, v in dataclasses.asdict(self).items()
+            if k not in defaults or v != defaults[k]}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any], *, path: str = "fp8") -> Fp8Config:
     """Schema-strict inverse of `to_dict`: exactly its fields, each validated
-    (`keep_first_last` may be absent, in dicts written before it existed: True).
+    (`keep_first_last` may be absent, in dicts written before it existed: True; the
+    microscaled fields may be absent: their defaults).
 
     Raises:
       ValueError: naming the field path (e.g. ``fp8.keep_high_precision[0]``), the value
         and what is accepted.
     """
-    return _config_from_dict(cls, d, path, added=("keep_first_last",))
+    return _config_from_dict(cls, d, path, added=("keep_first_last",) + _FP8_ADDED)
+
+
+# Fp8Config fields written only when not at their default (see Fp8Config.to_dict).
+_FP8_ADDED = ("micro_block", "scale_rounding", "stochastic_gradients", "hadamard_wgrad",
+              "seed")
+
+
+def _is_e2m1(value: Any) -> bool:
+  try:
+    return np.dtype(value) == np.dtype(ml_dtypes.float4_e2m1fn)
+  except TypeError:
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -670,6 +761,15 @@ def _presets() -> dict[str, Recipe]:
              reduce_dtype="bf16"),
       Recipe("f16_mixed", "p=f32,c=f16,o=f32", loss_scale=dynamic),
       Recipe("fp8_hybrid", "p=f32,c=bf16,o=f32", fp8=Fp8Config()),
+      # E4M3 for every tensor, gradients included, with round-up E8M0 scales (Mishra et
+      # al. 2025, "Recipes for Pre-training LLMs with MXFP8").
+      Recipe("mxfp8", "p=f32,c=bf16,o=f32",
+             fp8=Fp8Config(scaling="mxfp8", backward_format="e4m3")),
+      # NVIDIA's NVFP4 recipe: E2M1 everywhere, stochastic rounding of gradients, a random
+      # Hadamard transform on the weight-gradient GEMM.
+      Recipe("nvfp4", "p=f32,c=bf16,o=f32",
+             fp8=Fp8Config(scaling="nvfp4", forward_format="e2m1", backward_format="e2m1",
+                           stochastic_gradients=True, hadamard_wgrad=True)),
   )}
 
 
@@ -682,7 +782,7 @@ def get_recipe(name: str | Recipe) -> Recipe:
   """A preset recipe by name (a Recipe passes through).
 
   Presets: fp32, bf16_mixed, bf16_master, bf16_sr, bf16_kahan, pure_bf16, f16_mixed,
-  fp8_hybrid.
+  fp8_hybrid, mxfp8, nvfp4.
   """
   if isinstance(name, Recipe):
     return name

@@ -64,6 +64,11 @@ EXPECTED = {
     "fp8_hybrid": {"fwd": {("e4m3", "e4m3", "f32"), ("bf16", "bf16", "f32")},
                    "bwd": {("e4m3", "e5m2", "f32"), ("bf16", "bf16", "f32")}},
 }
+# mxfp8 / nvfp4: the GEMMs are emulated on the dequantised block-scaled operands, f32 x f32
+# in both directions (named "mxfp8_gemm" / "nvfp4_gemm"); lm_head and attention stay bf16.
+for _name in ("mxfp8", "nvfp4"):
+  EXPECTED[_name] = {"fwd": {F32, ("bf16", "bf16", "f32")},
+                     "bwd": {F32, ("bf16", "bf16", "f32")}}
 for _name in ("bf16_mixed", "bf16_master", "bf16_sr", "bf16_kahan", "pure_bf16"):
   EXPECTED[_name] = {"fwd": {("bf16", "bf16", "f32")}, "bwd": {("bf16", "bf16", "f32")}}
 

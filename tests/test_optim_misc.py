@@ -53,7 +53,8 @@ def test_state_dtypes_stable_and_ledger_matches(name):
 def test_ledger_values():
   got = {name: po.bytes_per_param(name) for name in precision.PRESETS}
   assert got == {"fp32": 16.0, "bf16_mixed": 16.0, "bf16_master": 16.0, "bf16_sr": 12.0,
-                 "bf16_kahan": 14.0, "pure_bf16": 8.0, "f16_mixed": 16.0, "fp8_hybrid": 16.0}
+                 "bf16_kahan": 14.0, "pure_bf16": 8.0, "f16_mixed": 16.0, "fp8_hybrid": 16.0,
+                 "mxfp8": 16.0, "nvfp4": 16.0}
   assert po.bytes_per_param("bf16_master", inner="sgd") == 8.0
   with pytest.raises(ValueError, match="accepted"):
     po.bytes_per_param("fp32", inner="adagrad")

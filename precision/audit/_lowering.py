@@ -32,7 +32,7 @@ import numpy as np
 
 from precision._policy import dtype_name
 from precision._plan import Plan, as_plan
-from precision._recipe import Recipe
+from precision._recipe import MICRO_SCALINGS, Recipe
 from precision.audit._report import PrecisionViolation
 
 _F32 = np.dtype(np.float32)
@@ -268,7 +268,7 @@ def custom_call_targets(module: Any) -> dict[str, int]:
 def _expected(recipe: Recipe) -> tuple[str, str | None, str | None]:
   """(compute dtype name, fp8 forward format name, fp8 backward format name)."""
   compute = np.dtype(recipe.policy.compute_dtype).name
-  if recipe.fp8 is None:
+  if recipe.fp8 is None or recipe.fp8.scaling in MICRO_SCALINGS:
     return compute, None, None
   fwd = np.dtype(_fp8_dtype(recipe.fp8.forward_format)).name
   bwd = np.dtype(_fp8_dtype(recipe.fp8.backward_format)).name
@@ -292,6 +292,10 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -
       `fp8.backward_format` (E5M2) and the saved operand in the forward format. GEMMs of
       layers the fp8 config keeps in high precision are ordinary compute-dtype GEMMs.
     * a recipe without fp8 has no fp8 GEMM.
+    * microscaled recipes (fp8.scaling mxfp8 / nvfp4) emulate their GEMMs on dequantised
+      values: the GEMMs named in the microscaled scope ("mxfp8_gemm", "nvfp4_gemm") take
+      f32 x f32 -> f32, at least one forward and one backward; the others follow the
+      compute-dtype rule, and no GEMM has fp8 operands.
 
   Args:
     gemms: `lowered_gemms(...)` of a program lowered for one platform.
@@ -308,12 +312,20 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -
   allowed = {compute} | {np.dtype(p.compute_dtype).name for p in plan.overrides.values()}
   found = []
   n_fp8 = collections.Counter()
+  micro = recipe.fp8 is not None and recipe.fp8.scaling in MICRO_SCALINGS
+  marker = f"{recipe.fp8.scaling}_gemm" if micro else None  # precision.fp8._microdot
   for g in gemms:
     sig = " x ".join(g.signature()[:2]) + " -> " + g.signature()[2]
     where = f"{g.direction} {g.op} {g.shape} [{g.name or '?'}]"
     if g.out_dtype != _F32.name:
       found.append(f"GEMM result {_short(g.out_dtype)} (accumulation below f32 or a result "
                    f"not from an f32 accumulator): {sig}: {where}")
+    if micro and re.search(rf"(^|[/(]){marker}([/)]|$)", g.name):
+      n_fp8[g.direction] += 1
+      if (g.lhs_dtype, g.rhs_dtype) != (_F32.name, _F32.name):
+        found.append(f"{recipe.fp8.scaling} GEMM operands {sig}, expected the dequantised "
+                     f"f32 x f32 of the emulation (recipe {recipe.name}): {where}")
+      continue
     if not g.is_fp8:
       if g.lhs_dtype not in allowed or g.rhs_dtype not in allowed:
         found.append(f"GEMM operands {sig}, expected {_short(compute)} x {_short(compute)} "
@@ -332,7 +344,7 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -
     if got != want:
       found.append(f"fp8 {g.direction} GEMM operands {sig}, expected "
                    f"{' x '.join(_short(w) for w in want)} (recipe {recipe.name}): {where}")
-  if fwd8 is not None:
+  if fwd8 is not None or micro:
     for direction in ("fwd", "bwd"):
       if not n_fp8[direction]:
         found.append(f"recipe {recipe.name} has fp8 but the program has no {direction} fp8 "

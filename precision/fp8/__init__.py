@@ -35,6 +35,12 @@ from precision.fp8._linen import STATE_COLLECTION
 from precision.fp8._linen import LinenFp8DotGeneral
 from precision.fp8._linen import merge_fp8_grad_state
 from precision.fp8._metrics import fp8_metrics
+from precision.fp8._microscale import hadamard_matrix
+from precision.fp8._microscale import mxfp8_dequantize
+from precision.fp8._microscale import mxfp8_quantize
+from precision.fp8._microscale import nvfp4_dequantize
+from precision.fp8._microscale import nvfp4_quantize
+from precision.fp8._microscale import random_hadamard
 from precision.fp8._metrics import sync_fp8_state
 from precision.fp8._nnx import Fp8DotGeneral
 from precision.fp8._nnx import Fp8Einsum
@@ -72,11 +78,17 @@ __all__ = [
     "fp8_dot_general",
     "fp8_metrics",
     "fp8_modules",
+    "hadamard_matrix",
     "init_state",
     "merge_grad_state",
     "merge_fp8_grad_state",
     "merge_state_grads",
+    "mxfp8_dequantize",
+    "mxfp8_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_quantize",
     "quantize",
+    "random_hadamard",
     "rollback_fp8_state",
     "scale_from_amax",
     "scaled_matmul",

@@ -16,6 +16,10 @@ factors out of the sum: ``C = (qA @ qB) * sA * sB`` with one fp8 GEMM. Block sca
 fp8 GEMM per tile (a batched dot), each tile's f32 partial sum multiplied by its two scales
 and summed in f32 -- DeepSeek-V3's "promotion to f32 every 128 elements".
 
+Microscaled scalings (mxfp8, nvfp4: one scale per 32 or 16 elements along the
+contraction) take their own route after the layout change, `precision.fp8._microdot`:
+stateless (the state passes through unchanged), emulated on dequantised f32 operands.
+
 On this machine (XLA CPU, jax 0.10.2) dot_general accepts float8 operands with an f32
 preferred type: the jaxpr and HLO show the fp8 dot; XLA CPU converts the operands to f32
 inside the op. That is a faithful emulation of an fp8 tensor core: every fp8 value is
@@ -36,8 +40,9 @@ import numpy as np
 from jax import lax
 
 from precision._policy import parse_dtype
-from precision._recipe import FP8_SCALINGS, Fp8Config
+from precision._recipe import FP8_SCALINGS, MICRO_SCALINGS, Fp8Config
 from precision.fp8 import _scaling as sc
+from precision.fp8._microdot import MicroSpec, micro_dot
 
 _F32 = jnp.float32
 OPERANDS = ("lhs", "rhs", "grad")
@@ -63,6 +68,8 @@ class Fp8Spec:
   lhs: sc.OperandRecipe
   rhs: sc.OperandRecipe
   grad: sc.OperandRecipe
+  # The microscaled GEMM's spec (mxfp8 / nvfp4 scaling), else None.
+  micro: MicroSpec | None = None
 
   @classmethod
   def from_config(cls, config: Fp8Config, scaling: str | Mapping[str, str] | None = None) -> Fp8Spec:
@@ -80,6 +87,12 @@ class Fp8Spec:
     for op, name in per_op.items():
       if name not in FP8_SCALINGS:
         raise ValueError(f"fp8 scaling {name!r} for {op}; accepted: {', '.join(FP8_SCALINGS)}")
+    micro = {name for name in per_op.values() if name in MICRO_SCALINGS}
+    if micro and set(per_op.values()) != {config.scaling}:
+      raise ValueError(
+          f"fp8 scaling {per_op} mixes microscaled and other scalings (or differs from "
+          f"the config's {config.scaling!r}); accepted: one microscaled scaling for all "
+          "three operands, set as Fp8Config.scaling")
     act, wgt = config.activation_block, config.weight_block
     if "block" in per_op.values() and not act[1] == wgt[0] == wgt[1]:
       raise ValueError(
@@ -94,7 +107,8 @@ class Fp8Spec:
 
     return cls(lhs=recipe("lhs", config.forward_format, act),
                rhs=recipe("rhs", config.forward_format, (wgt[1], wgt[0])),
-               grad=recipe("grad", config.backward_format, act))
+               grad=recipe("grad", config.backward_format, act),
+               micro=MicroSpec.from_config(config) if micro else None)
 
   def init_state(self) -> Fp8DotState:
     """Zero histories, unit scales, zero counters."""
@@ -346,12 +360,15 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, state: Fp
   a = _merge(jnp.transpose(lhs, lb + lf + lc), (len(lb), len(lf), len(lc)), (bsz, m, k))
   b = _merge(jnp.transpose(rhs, rb + rc + rf), (len(rb), len(rc), len(rf)), (bsz, k, n))
   out_dtype = lhs.dtype if out_dtype is None else parse_dtype(out_dtype)
+  out_shape = ([lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lf]
+               + [rhs.shape[i] for i in rf])
+  if spec.micro is not None:  # microscaled: stateless, the state passes through
+    out = micro_dot(a, b, spec.micro, out_dtype)
+    return _split(out, out_shape, (len(lb), len(lf), len(rf))), state
   sa, hist_a = _forward_scale(a, spec.lhs, state.lhs, "left")
   sb, hist_b = _forward_scale(b, spec.rhs, state.rhs, "right")
   static = _Static(spec, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   out, (sat_a, unf_a, sat_b, unf_b), grad_token = _fp8_bmm(static, a, b, sa, sb, state.grad)
-  out_shape = ([lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lf]
-               + [rhs.shape[i] for i in rf])
   new_state = Fp8DotState(
       lhs=sc.OperandState(hist_a, sc.record_scale(sa), sat_a, unf_a),
       rhs=sc.OperandState(hist_b, sc.record_scale(sb), sat_b, unf_b),

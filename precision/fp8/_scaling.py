@@ -59,8 +59,9 @@ class OperandRecipe:
   power_of_two: bool = False
 
   def __post_init__(self):
-    if self.fmt not in FP8_DTYPES:
-      raise ValueError(f"fp8 format {self.fmt!r}; accepted: {', '.join(FP8_DTYPES)}")
+    if self.fmt not in FP8_DTYPES and not (self.fmt == "e2m1" and self.scaling == "nvfp4"):
+      raise ValueError(f"fp8 format {self.fmt!r}; accepted: {', '.join(FP8_DTYPES)} (e2m1 "
+                       "with nvfp4 scaling)")
     if self.scaling not in FP8_SCALINGS:
       raise ValueError(f"fp8 scaling {self.scaling!r}; accepted: {', '.join(FP8_SCALINGS)}")
     if min(self.block) < 1:
