@@ -43,6 +43,7 @@ from precision._policy import parse_dtype
 from precision._recipe import FP8_SCALINGS, MICRO_SCALINGS, Fp8Config
 from precision.fp8 import _scaling as sc
 from precision.fp8._microdot import MicroSpec, micro_dot
+from precision.fp8._sharding import explicit_spec as _spec
 
 _F32 = jnp.float32
 OPERANDS = ("lhs", "rhs", "grad")
@@ -271,15 +272,6 @@ def _axes(dims, ndim: int, what: str) -> tuple[int, ...]:
   if -1 in out:
     raise ValueError(f"fp8 dot_general: {what} dims {tuple(dims)} out of range for rank {ndim}")
   return out
-
-
-def _spec(x) -> tuple | None:
-  """The explicit-sharding PartitionSpec entries of x's type, or None when it has none."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec is None or all(p is None for p in spec):
-    return None
-  return tuple(spec) + (None,) * (x.ndim - len(spec))
 
 
 def _merge(x, groups: tuple[int, ...], shape: tuple[int, ...]):

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from precision.fp8 import _microscale as ms
+from precision.fp8._sharding import explicit_spec
 
 _F32 = jnp.float32
 # Salts of the stochastic-rounding streams of the two gradient quantisations.
@@ -136,9 +137,8 @@ def _bwd(static: _Static, res, g):
   gq = spec.fake_quantize(g32, 1, spec.backward_format, sr, _WGRAD)
   # Under explicit sharding M (the batch rows) may be sharded: the weight gradient is
   # laid out as the weight is (as precision.fp8._dot does).
-  from precision.fp8._dot import _spec  # pylint: disable=g-import-not-at-top
-  sharded = _spec(a) is not None or _spec(g) is not None
-  db = _mm(jnp.swapaxes(aq, 1, 2), gq, (_spec(b) or (None,) * 3) if sharded else None)
+  sharded = explicit_spec(a) is not None or explicit_spec(g) is not None
+  db = _mm(jnp.swapaxes(aq, 1, 2), gq, (explicit_spec(b) or (None,) * 3) if sharded else None)
   return da.astype(static.lhs_dtype), db.astype(static.rhs_dtype)
 
 

@@ -20,6 +20,7 @@ from precision.optim import _loss_scale
 from precision.optim import _master
 from precision.optim import _moments
 from precision.optim import _query
+from precision.optim import _seed
 from precision.optim import _spike
 
 _F32 = np.dtype(np.float32)
@@ -114,26 +115,10 @@ def _check_arguments(inner: Any, seed: Any, axis_name: Any) -> None:
   if not isinstance(inner, optax.GradientTransformation):
     raise ValueError(f"inner={inner!r}; accepted: an optax.GradientTransformation, e.g. "
                      "optax.adamw(3e-4) (called, not the function optax.adamw)")
-  check_seed(seed)
+  _seed.check_seed(seed)
   if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
     raise ValueError(f"axis_name={axis_name!r}; accepted: None or the name (a non-empty "
                      "str) of the shard_map/pmap axis the update runs over")
-
-
-def check_seed(seed: Any) -> None:
-  """ValueError naming `seed` unless it is a stochastic-rounding seed."""
-  accepted = "an int in [0, 2**32), an integer scalar array, or a jax.random key"
-  if isinstance(seed, (jax.Array, np.ndarray)) and (
-      jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)
-      or (seed.shape == (2,) and seed.dtype == np.uint32)):
-    pass  # a jax.random key (typed, or raw uint32[2]): its bits are the seed
-  elif isinstance(seed, (jax.Array, np.ndarray)) and seed.shape == () and (
-      jnp.issubdtype(seed.dtype, jnp.integer)):
-    pass  # range-checked where it is used (precision.rounding), traced or not
-  elif isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-    raise ValueError(f"seed={seed!r} (a {type(seed).__name__}); accepted: {accepted}")
-  elif not 0 <= int(seed) < 2 ** 32:
-    raise ValueError(f"seed={int(seed)} is outside the uint32 range; accepted: {accepted}")
 
 
 def _guarded(recipe: Recipe, tx: optax.GradientTransformation, axis_name: str | None

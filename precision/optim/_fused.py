@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from precision.optim import _apply
+from precision.optim import _seed
 from precision.optim import _compat
 from precision.rounding import FusedAdamW
 from precision.rounding import FusedAdamWState
@@ -82,13 +83,12 @@ def fused_adamw(learning_rate: float | Callable[[jax.Array], jax.Array],
     >>> updates, opt_state = tx.update(grads, opt_state, params)
     >>> params = precision.optim.apply_updates(params, updates)
   """
-  from precision.optim._build import check_seed  # pylint: disable=g-import-not-at-top
   if isinstance(learning_rate, bool) or not (
       callable(learning_rate) or isinstance(learning_rate, (int, float, np.floating))):
     raise ValueError(f"fused_adamw: learning_rate={learning_rate!r}; accepted: a float or "
                      "an optax schedule (count -> lr)")
   if seed is not None:
-    check_seed(seed)
+    _seed.check_seed(seed)
   kwargs = {} if block_size is None else {"block_size": block_size}
   opt = FusedAdamW(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                    weight_decay=weight_decay, mask=mask, seed=0 if seed is None else seed,
