@@ -510,3 +510,110 @@ def sharded_lm(recipe):
     return _xent(m(tokens[:, :-1]).astype(jnp.float32), tokens[:, 1:]), None
 
   return Built(loss, params, context)
+
+
+# ----------------------------------------------------------------------------- Haiku, Equinox
+# Optional: neither is a dependency of the library; their cases exist where they are
+# installed (pip install dm-haiku equinox).
+
+try:
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+except ImportError:
+  hk = None
+try:
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+except ImportError:
+  eqx = None
+
+
+def _haiku_transformer_fn(tokens):
+  """Haiku's transformer example, small: hk.Embed, pre-norm hk.MultiHeadAttention with a
+  causal mask, hk.LayerNorm, an hk.Linear MLP with gelu."""
+  x = hk.Embed(VOCAB, D)(tokens)
+  mask = jnp.tril(jnp.ones((1, 1, tokens.shape[1], tokens.shape[1]), dtype=bool))
+  for _ in range(2):
+    h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
+    x = x + hk.MultiHeadAttention(HEADS, D // HEADS, w_init=hk.initializers.VarianceScaling(
+        1.0))(h, h, h, mask=mask)
+    h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
+    x = x + hk.Linear(D)(jax.nn.gelu(hk.Linear(4 * D)(h)))
+  return hk.Linear(VOCAB)(hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x))
+
+
+def _haiku_stateful_fn(x, is_training=True):
+  """A Haiku model with state (transform_with_state): hk.Linear, hk.BatchNorm's moving
+  averages (f32) and a bf16 feature cache it keeps itself."""
+  h = jax.nn.relu(hk.Linear(32)(x))
+  h = hk.BatchNorm(True, True, 0.9)(h, is_training)
+  cache = hk.get_state("cache", h.shape, jnp.bfloat16, init=jnp.zeros)
+  hk.set_state("cache", (0.5 * cache + h).astype(jnp.bfloat16))
+  return hk.Linear(8)(h)
+
+
+def haiku_transformer(recipe):
+  tokens = _tokens()
+  f = hk.without_apply_rng(hk.transform(_haiku_transformer_fn))
+  with user_code():
+    params = f.init(jax.random.key(0), tokens[:, :-1])
+  apply = f.apply if recipe is None else mp.autocast(f.apply, recipe)
+  return Built(lambda p: (_xent(apply(p, tokens[:, :-1]), tokens[:, 1:]), None), params)
+
+
+def haiku_stateful(recipe):
+  x = jax.random.normal(jax.random.key(15), (B, 16))
+  y = jax.random.normal(jax.random.key(16), (B, 8))
+  f = hk.transform_with_state(_haiku_stateful_fn)
+  with user_code():
+    params, state = f.init(jax.random.key(0), x)
+  apply = f.apply if recipe is None else mp.autocast(f.apply, recipe, state_outputs=1)
+
+  def loss(p):
+    out, new_state = apply(p, state, None, x)
+    return jnp.mean((out - y) ** 2), new_state
+
+  return Built(loss, params)
+
+
+class _EqxStatefulMLP(eqx.Module if eqx is not None else object):
+  """Equinox's stateful example: Linear, eqx.nn.BatchNorm (state in eqx.nn.State), Linear."""
+
+  lin1: Any
+  norm: Any
+  lin2: Any
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.lin1 = eqx.nn.Linear(16, 32, key=k1)
+    self.norm = eqx.nn.BatchNorm(32, axis_name="batch", mode="ema")
+    self.lin2 = eqx.nn.Linear(32, 8, key=k2)
+
+  def __call__(self, x, state):
+    h, state = self.norm(jax.nn.relu(self.lin1(x)), state)
+    return self.lin2(h), state
+
+
+def equinox_stateful(recipe):
+  x = jax.random.normal(jax.random.key(17), (B, 16))
+  y = jax.random.normal(jax.random.key(18), (B, 8))
+  with user_code():
+    model, state = eqx.nn.make_with_state(_EqxStatefulMLP)(jax.random.key(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+
+  def step(params, state, x):
+    m = eqx.combine(params, static)
+    return jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+  run = step if recipe is None else mp.autocast(step, recipe, state_outputs=1)
+
+  def loss(p):
+    out, new_state = run(p, state, x)
+    return jnp.mean((out - y) ** 2), new_state
+
+  return Built(loss, params)
+
+
+if hk is not None:
+  CASES["transformer_haiku"] = haiku_transformer
+  CASES["transform_with_state_haiku"] = haiku_stateful
+if eqx is not None:
+  CASES["stateful_equinox"] = equinox_stateful

@@ -54,15 +54,19 @@ def _algorithms(mlir: str) -> set[str]:
 
 
 def test_fp32_recipe_is_the_identity_on_code_with_its_own_bf16():
-  """The code casts to bf16 around jax.nn.dot_product_attention: under fp32 its GEMMs
-  stay bf16 x bf16 with the algorithm it picked (bit for bit), not re-run in f32."""
+  """The code casts to bf16 around jax.nn.dot_product_attention: under fp32 the lowered
+  program is the plain one (its GEMMs bf16 x bf16 with the algorithm it picked), not
+  re-run in f32. (Bit-identical values and gradients: tests/test_zoo.py's
+  own_bf16_attention_jax.)"""
   params, x, labels = _attention_case()
   f = _zoo.own_bf16_attention_loss
   with _user():
-    want = jax.jit(jax.value_and_grad(f))(params, x, labels)
-    got = jax.jit(jax.value_and_grad(mp.autocast(f, "fp32")))(params, x, labels)
+    want = lower(jax.value_and_grad(f), params, x, labels, platform="cuda")
+    got = lower(jax.value_and_grad(mp.autocast(f, "fp32")), params, x, labels,
+                platform="cuda")
     mlir = _cuda_mlir(jax.value_and_grad(mp.autocast(f, "fp32")), params, x, labels)
-  assert_bit_identical(got, want, "fp32 loss and gradients")
+  assert [g.signature() for g in got.gemms] == [g.signature() for g in want.gemms]
+  assert ("bf16", "bf16", "f32") in {g.signature() for g in got.gemms}
   assert _algorithms(mlir) == {"bf16"}, _algorithms(mlir)
 
 
