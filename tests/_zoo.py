@@ -10,6 +10,8 @@ lax.scan over layers and jax.checkpoint, a model under an explicit-sharding mesh
 bf16 around jax.nn.dot_product_attention, a Flax NNX model configured `dtype=bfloat16`
 (Flax's way of asking for mixed precision), an NNX model with Dropout trained through
 split/merge/jax.grad, and a Linen model called with `train=`/`deterministic` keywords.
+Where Haiku and Equinox are installed (they are not dependencies): Haiku's transformer,
+a Haiku `transform_with_state` model, and an Equinox model with `eqx.nn.State`.
 
 Each case builds the same model (same seed) either plain (`recipe=None`: no library at all)
 or under a recipe applied from outside, the one-line way a user would:
