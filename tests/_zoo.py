@@ -10,6 +10,7 @@ lax.scan over layers and jax.checkpoint, a model under an explicit-sharding mesh
 bf16 around jax.nn.dot_product_attention, a Flax NNX model configured `dtype=bfloat16`
 (Flax's way of asking for mixed precision), an NNX model with Dropout trained through
 split/merge/jax.grad, and a Linen model called with `train=`/`deterministic` keywords.
+An NNX scan-over-layers model (`nnx.vmap` to create the blocks, `nnx.scan` to apply them).
 Where Haiku and Equinox are installed (they are not dependencies): Haiku's transformer,
 a Haiku `transform_with_state` model, and an Equinox model with `eqx.nn.State`.
 
@@ -619,3 +620,48 @@ if hk is not None:
   CASES["transform_with_state_haiku"] = haiku_stateful
 if eqx is not None:
   CASES["stateful_equinox"] = equinox_stateful
+
+
+# ----------------------------------------------------------------------------- scan over layers
+
+
+class ScanBlock(nnx.Module):
+  def __init__(self, rngs, d=16):
+    self.norm = nnx.LayerNorm(d, rngs=rngs)
+    self.linear = nnx.Linear(d, d, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jax.nn.gelu(self.linear(self.norm(x)))
+
+
+class ScanOverLayers(nnx.Module):
+  """Flax's scan-over-layers example (MaxText's layout): the blocks created by `nnx.vmap`
+  (params with a leading layer axis) and applied by `nnx.scan`."""
+
+  def __init__(self, n_layers, rngs, d=16):
+    self.inp = nnx.Linear(8, d, rngs=rngs)
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create_block(rngs):
+      return ScanBlock(rngs, d)
+
+    self.blocks = create_block(rngs)
+    self.out = nnx.Linear(d, 4, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(x, block):
+      return block(x)
+
+    return self.out(forward(self.inp(x), self.blocks))
+
+
+def scan_over_layers(recipe):
+  x = jax.random.normal(jax.random.key(19), (B, 8))
+  y = jax.random.normal(jax.random.key(20), (B, 4))
+  return _nnx_build(lambda: ScanOverLayers(3, nnx.Rngs(0)),
+                    lambda m: jnp.mean((m(x) - y) ** 2), recipe)
+
+
+CASES["scan_over_layers_nnx"] = scan_over_layers

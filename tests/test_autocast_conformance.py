@@ -306,3 +306,39 @@ def test_apply_recipe_accepts_overrides_on_named_scopes():
   with pytest.raises(ValueError, match="matched no module"):
     mp.flax.apply_recipe(_InlineHead(nnx.Rngs(0)), "bf16_mixed",
                          overrides={nnx.Conv: "f32"})
+
+
+# ----------------------------------------------------------------------------- fp8
+
+
+@pytest.mark.slow
+def test_fp8_on_nnx_scan_over_layers_has_the_layer_axis_and_trains():
+  """apply_recipe(model, "fp8_hybrid") on blocks made by nnx.vmap and run by nnx.scan:
+  each block's fp8 scaling state has the layer axis (one state per layer), the model
+  trains (finite, falling loss) and every layer's histories record its own amaxes."""
+  import optax  # pylint: disable=g-import-not-at-top
+  n = 3
+  with _user():
+    model = _zoo.ScanOverLayers(n, nnx.Rngs(0))
+  mp.flax.apply_recipe(model, "fp8_hybrid")
+  fp8 = nnx.state(model.blocks, mp.fp8.Fp8State)
+  shapes = {tuple(jax.tree.leaves(v)[0].shape) for _, v in nnx.to_flat_state(fp8)}
+  assert shapes and all(s[:1] == (n,) for s in shapes), shapes
+  x = jax.random.normal(jax.random.key(10), (32, 8))
+  y = jax.random.normal(jax.random.key(11), (32, 4))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = mp.fp8.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  with _user():
+    losses = [float(step(model, opt)) for _ in range(8)]
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
+  dot = model.blocks.linear.dot_general
+  history = np.asarray(dot.lhs_amax_history[...])
+  assert history.shape[0] == n and np.all(history.max(axis=1) > 0)
+  assert len({float(h) for h in history.max(axis=1)}) == n   # one state per layer
+  assert np.all(np.asarray(dot.grad_scale[...]) != 1.0)       # the gradient state moved
