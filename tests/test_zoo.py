@@ -48,8 +48,10 @@ def value_and_grads(name, recipe):
   return loss, aux, grads
 
 
-# Cases whose two compilations (plain and fp32) take over ~10 s: run with -m slow.
+# Cases whose compilations take over ~5 s in a test: run with -m slow.
 SLOW_FP32 = {"bf16_configured_nnx", "train_keywords_linen", "transformer_haiku"}
+SLOW_F32_OPS = {"train_keywords_linen", "transformer_haiku"}
+SLOW_LOWERING = {"transformer_haiku"}
 
 
 def _cases(slow=frozenset()):
@@ -66,7 +68,7 @@ def test_fp32_recipe_bit_identical_to_plain_model(name):
 
 
 @pytest.mark.parametrize("recipe", ["bf16_mixed", "f16_mixed"])
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", _cases(SLOW_LOWERING))
 def test_every_gemm_forward_and_backward_is_compute_f32_on_cuda(name, recipe):
   compute = {"bf16_mixed": "bf16", "f16_mixed": "f16"}[recipe]
   b = built(name, recipe)
@@ -82,7 +84,7 @@ def test_every_gemm_forward_and_backward_is_compute_f32_on_cuda(name, recipe):
   assert prog.gemm_signatures("fwd") and prog.gemm_signatures("bwd")
 
 
-@pytest.mark.parametrize("name", _cases({"transformer_haiku"}))
+@pytest.mark.parametrize("name", _cases(SLOW_F32_OPS))
 def test_bf16_f32_ops_check_and_loss(name):
   b = built(name, "bf16_mixed")
   with b.context():
