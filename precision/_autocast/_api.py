@@ -445,7 +445,7 @@ def _results(traced: Traced, spec: AutocastSpec, state: tuple[int, ...]) -> Any:
   out = traced.outputs
   if not isinstance(out, (tuple, list)) or len(out) <= state[-1]:
     got = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list))
-           else f"a {type(out).__name__}")
+           else f"a {type(out).__name__}, not a tuple")
     raise ValueError(
         f"state_outputs={state!r} names positions of the function's tuple result, but the "
         f"function returned {got}")

@@ -179,8 +179,8 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
     if plan is None:
       return _verbatim(eqn, invals)
     p = eqn.params
-    # The traced `precision` described the traced operands; the policy GEMM's are in the
-    # compute dtype with f32 accumulation, and runs at DEFAULT precision: a
+    # The traced `precision` described the traced operands. The policy GEMM's operands
+    # are in the compute dtype with f32 accumulation, and it runs at DEFAULT precision: a
     # DotAlgorithmPreset such as BF16_BF16_F32 (jax.nn.dot_product_attention's for bf16
     # inputs) kept on f16 operands would make XLA convert them back to bf16, and on
     # bf16/f16 operands with f32 accumulation every Precision computes the same products.
