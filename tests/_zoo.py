@@ -5,8 +5,14 @@ with its own attribute and __call__, attention written with jnp.einsum and jax.n
 a hand-written RMSNorm, a tanh logit soft-cap, tied embeddings (`attend`), Flax's own
 nnx.MultiHeadAttention / nnx.Einsum / nnx.BatchNorm and Linen's
 MultiHeadDotProductAttention / Conv / BatchNorm, a plain-JAX model (no Flax) with
-lax.scan over layers and jax.checkpoint, and a model under an explicit-sharding mesh with
-`out_sharding=` annotations.
+lax.scan over layers and jax.checkpoint, a model under an explicit-sharding mesh with
+`out_sharding=` annotations; and code that chose dtypes of its own: a function casting to
+bf16 around jax.nn.dot_product_attention, a Flax NNX model configured `dtype=bfloat16`
+(Flax's way of asking for mixed precision), an NNX model with Dropout trained through
+split/merge/jax.grad, and a Linen model called with `train=`/`deterministic` keywords.
+An NNX scan-over-layers model (`nnx.vmap` to create the blocks, `nnx.scan` to apply them).
+Where Haiku and Equinox are installed (they are not dependencies): Haiku's transformer,
+a Haiku `transform_with_state` model, and an Equinox model with `eqx.nn.State`.
 
 Each case builds the same model (same seed) either plain (`recipe=None`: no library at all)
 or under a recipe applied from outside, the one-line way a user would:
@@ -187,6 +193,40 @@ class MHAModel(nnx.Module):
     return self.head(x)
 
 
+class Bf16ConfiguredLM(nnx.Module):
+  """Mixed precision the way Flax users configure it: every layer given
+  `dtype=jnp.bfloat16` (params stay f32: Flax casts them at use), Flax's own
+  MultiHeadAttention and LayerNorm, a pre-norm block, the logits cast to f32 for the loss."""
+
+  def __init__(self, *, rngs, dtype=jnp.bfloat16):
+    self.embed = nnx.Embed(VOCAB, D, dtype=dtype, rngs=rngs)
+    self.norm1 = nnx.LayerNorm(D, dtype=dtype, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(HEADS, D, dtype=dtype, decode=False, rngs=rngs)
+    self.norm2 = nnx.LayerNorm(D, dtype=dtype, rngs=rngs)
+    self.up = nnx.Linear(D, 4 * D, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(4 * D, D, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(D, VOCAB, dtype=dtype, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = x + self.attn(self.norm1(x), mask=nnx.make_causal_mask(tokens))
+    x = x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+    return self.head(x).astype(jnp.float32)
+
+
+class DropoutMLP(nnx.Module):
+  """Flax's NNX MLP example: Linear, Dropout holding its own nnx.Rngs, BatchNorm."""
+
+  def __init__(self, *, rngs):
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.bn = nnx.BatchNorm(32, rngs=rngs)
+    self.dropout = nnx.Dropout(0.2, rngs=rngs)
+    self.down = nnx.Linear(32, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.relu(self.dropout(self.bn(self.up(x)))))
+
+
 # ----------------------------------------------------------------------------- Linen models
 
 
@@ -223,6 +263,26 @@ class LinenResNet(nn.Module):
     return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
+class LinenTrainKeywords(nn.Module):
+  """A Linen classifier called `model.apply(v, x, train=True, rngs={"dropout": k},
+  mutable=["batch_stats"])`: BatchNorm and Dropout switched by the `train` keyword, a
+  sub-block taking `deterministic`."""
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    x = nn.Dense(32)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+    x = _LinenDropoutBlock()(x, deterministic=not train)
+    return nn.Dense(10)(x)
+
+
+class _LinenDropoutBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    h = nn.Dropout(0.25)(nn.gelu(nn.Dense(32)(x)), deterministic=deterministic)
+    return x + nn.LayerNorm()(h)
+
+
 # ----------------------------------------------------------------------------- plain JAX
 
 
@@ -249,6 +309,26 @@ def plain_loss(params, x, labels):
   return _xent(h @ params["w_out"], labels)
 
 
+def own_bf16_init(key, d=D):
+  keys = jax.random.split(key, 5)
+  return {"wq": jax.random.normal(keys[0], (16, d)) / 4.0,
+          "wk": jax.random.normal(keys[1], (16, d)) / 4.0,
+          "wv": jax.random.normal(keys[2], (16, d)) / 4.0,
+          "wo": jax.random.normal(keys[3], (d, 10)) / math.sqrt(d)}
+
+
+def own_bf16_attention_loss(params, x, labels):
+  """No Flax, and mixed precision by hand: q, k, v cast to bf16 for
+  jax.nn.dot_product_attention (which then picks the BF16_BF16_F32 dot algorithm and an
+  f32 softmax), the attention output back to f32 for the head and the loss."""
+  b, t, _ = x.shape
+  split = lambda h: h.reshape(b, t, HEADS, -1).astype(jnp.bfloat16)
+  q, k, v = (split(x @ params[n]) for n in ("wq", "wk", "wv"))
+  o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  h = o.reshape(b, t, -1).astype(jnp.float32)
+  return _xent(h.mean(axis=1) @ params["wo"], labels)
+
+
 # ----------------------------------------------------------------------------- cases
 
 
@@ -273,15 +353,16 @@ def _linen_context(recipe):
   return mp.flax.linen_policy(r.policy, fp32_ops=r.fp32_ops)
 
 
-def _linen_build(model, x, recipe, loss_of, mutable=()):
+def _linen_build(model, x, recipe, loss_of, mutable=(), init_kwargs=None, apply_kwargs=None):
   with user_code(_linen_context(recipe)):
-    variables = model.init(jax.random.key(0), x)
+    variables = model.init(jax.random.key(0), x, **(init_kwargs or {}))
   params = variables["params"]
   rest = {k: v for k, v in variables.items() if k != "params"}
 
   def loss(params):
     with _linen_context(recipe):
-      out = model.apply({"params": params, **rest}, x, mutable=list(mutable) or False)
+      out = model.apply({"params": params, **rest}, x, mutable=list(mutable) or False,
+                        **(apply_kwargs or {}))
     y, new = out if mutable else (out, None)
     return loss_of(y), new
 
@@ -327,6 +408,47 @@ def plain_jax(recipe):
   return Built(lambda p: (fn(p, x, labels), None), plain_init(jax.random.key(0)))
 
 
+def bf16_configured(recipe):
+  tokens = _tokens()
+  return _nnx_build(lambda: Bf16ConfiguredLM(rngs=nnx.Rngs(0)),
+                    lambda m: _xent(m(tokens[:, :-1]), tokens[:, 1:]), recipe)
+
+
+def dropout_mlp(recipe):
+  """Trained the functional way: split once, merge inside jax.grad; the loss also returns
+  the updated BatchNorm statistics and Dropout's RNG state (typed keys, counters)."""
+  x = jax.random.normal(jax.random.key(8), (B, 16))
+  y = jax.random.normal(jax.random.key(9), (B, 8))
+  with user_code():
+    model = DropoutMLP(rngs=nnx.Rngs(0, dropout=1))
+  if recipe is not None:
+    mp.flax.apply_recipe(model, recipe)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    value = jnp.mean((m(x) - y) ** 2)
+    return value, nnx.state(m, nnx.BatchStat, nnx.RngState)
+
+  return Built(loss, params)
+
+
+def linen_train_keywords(recipe):
+  x = jax.random.normal(jax.random.key(10), (B, 16))
+  labels = jax.random.randint(jax.random.key(11), (B,), 0, 10)
+  return _linen_build(LinenTrainKeywords(), x, recipe, lambda logits: _xent(logits, labels),
+                      mutable=("batch_stats",), init_kwargs=dict(train=False),
+                      apply_kwargs=dict(train=True, rngs={"dropout": jax.random.key(12)}))
+
+
+def own_bf16_attention(recipe):
+  x = jax.random.normal(jax.random.key(13), (B, T, 16))
+  labels = jax.random.randint(jax.random.key(14), (B,), 0, 10)
+  fn = own_bf16_attention_loss if recipe is None else mp.autocast(own_bf16_attention_loss,
+                                                                  recipe)
+  return Built(lambda p: (fn(p, x, labels), None), own_bf16_init(jax.random.key(0)))
+
+
 CASES: dict[str, Callable[[str | None], Built]] = {
     "gemma_style_nnx": gemma_style,
     "bias_batchnorm_mlp_nnx": bias_mlp,
@@ -335,6 +457,10 @@ CASES: dict[str, Callable[[str | None], Built]] = {
     "resnet_batchnorm_linen": linen_resnet,
     "plain_jax_scan_remat": plain_jax,
     "explicit_sharding_nnx": lambda recipe: sharded_lm(recipe),  # defined below: 2 devices
+    "bf16_configured_nnx": bf16_configured,
+    "dropout_split_merge_grad_nnx": dropout_mlp,
+    "train_keywords_linen": linen_train_keywords,
+    "own_bf16_attention_jax": own_bf16_attention,
 }
 
 
@@ -387,3 +513,155 @@ def sharded_lm(recipe):
     return _xent(m(tokens[:, :-1]).astype(jnp.float32), tokens[:, 1:]), None
 
   return Built(loss, params, context)
+
+
+# ----------------------------------------------------------------------------- Haiku, Equinox
+# Optional: neither is a dependency of the library; their cases exist where they are
+# installed (pip install dm-haiku equinox).
+
+try:
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+except ImportError:
+  hk = None
+try:
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+except ImportError:
+  eqx = None
+
+
+def _haiku_transformer_fn(tokens):
+  """Haiku's transformer example, small: hk.Embed, pre-norm hk.MultiHeadAttention with a
+  causal mask, hk.LayerNorm, an hk.Linear MLP with gelu."""
+  x = hk.Embed(VOCAB, D)(tokens)
+  mask = jnp.tril(jnp.ones((1, 1, tokens.shape[1], tokens.shape[1]), dtype=bool))
+  for _ in range(2):
+    h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
+    x = x + hk.MultiHeadAttention(HEADS, D // HEADS, w_init=hk.initializers.VarianceScaling(
+        1.0))(h, h, h, mask=mask)
+    h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
+    x = x + hk.Linear(D)(jax.nn.gelu(hk.Linear(4 * D)(h)))
+  return hk.Linear(VOCAB)(hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x))
+
+
+def _haiku_stateful_fn(x, is_training=True):
+  """A Haiku model with state (transform_with_state): hk.Linear, hk.BatchNorm's moving
+  averages (f32) and a bf16 feature cache it keeps itself."""
+  h = jax.nn.relu(hk.Linear(32)(x))
+  h = hk.BatchNorm(True, True, 0.9)(h, is_training)
+  cache = hk.get_state("cache", h.shape, jnp.bfloat16, init=jnp.zeros)
+  hk.set_state("cache", (0.5 * cache + h).astype(jnp.bfloat16))
+  return hk.Linear(8)(h)
+
+
+def haiku_transformer(recipe):
+  tokens = _tokens()
+  f = hk.without_apply_rng(hk.transform(_haiku_transformer_fn))
+  with user_code():
+    params = f.init(jax.random.key(0), tokens[:, :-1])
+  apply = f.apply if recipe is None else mp.autocast(f.apply, recipe)
+  return Built(lambda p: (_xent(apply(p, tokens[:, :-1]), tokens[:, 1:]), None), params)
+
+
+def haiku_stateful(recipe):
+  x = jax.random.normal(jax.random.key(15), (B, 16))
+  y = jax.random.normal(jax.random.key(16), (B, 8))
+  f = hk.transform_with_state(_haiku_stateful_fn)
+  with user_code():
+    params, state = f.init(jax.random.key(0), x)
+  apply = f.apply if recipe is None else mp.autocast(f.apply, recipe, state_outputs=1)
+
+  def loss(p):
+    out, new_state = apply(p, state, None, x)
+    return jnp.mean((out - y) ** 2), new_state
+
+  return Built(loss, params)
+
+
+class _EqxStatefulMLP(eqx.Module if eqx is not None else object):
+  """Equinox's stateful example: Linear, eqx.nn.BatchNorm (state in eqx.nn.State), Linear."""
+
+  lin1: Any
+  norm: Any
+  lin2: Any
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.lin1 = eqx.nn.Linear(16, 32, key=k1)
+    self.norm = eqx.nn.BatchNorm(32, axis_name="batch", mode="ema")
+    self.lin2 = eqx.nn.Linear(32, 8, key=k2)
+
+  def __call__(self, x, state):
+    h, state = self.norm(jax.nn.relu(self.lin1(x)), state)
+    return self.lin2(h), state
+
+
+def equinox_stateful(recipe):
+  x = jax.random.normal(jax.random.key(17), (B, 16))
+  y = jax.random.normal(jax.random.key(18), (B, 8))
+  with user_code():
+    model, state = eqx.nn.make_with_state(_EqxStatefulMLP)(jax.random.key(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+
+  def step(params, state, x):
+    m = eqx.combine(params, static)
+    return jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+  run = step if recipe is None else mp.autocast(step, recipe, state_outputs=1)
+
+  def loss(p):
+    out, new_state = run(p, state, x)
+    return jnp.mean((out - y) ** 2), new_state
+
+  return Built(loss, params)
+
+
+if hk is not None:
+  CASES["transformer_haiku"] = haiku_transformer
+  CASES["transform_with_state_haiku"] = haiku_stateful
+if eqx is not None:
+  CASES["stateful_equinox"] = equinox_stateful
+
+
+# ----------------------------------------------------------------------------- scan over layers
+
+
+class ScanBlock(nnx.Module):
+  def __init__(self, rngs, d=16):
+    self.norm = nnx.LayerNorm(d, rngs=rngs)
+    self.linear = nnx.Linear(d, d, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jax.nn.gelu(self.linear(self.norm(x)))
+
+
+class ScanOverLayers(nnx.Module):
+  """Flax's scan-over-layers example (MaxText's layout): the blocks created by `nnx.vmap`
+  (params with a leading layer axis) and applied by `nnx.scan`."""
+
+  def __init__(self, n_layers, rngs, d=16):
+    self.inp = nnx.Linear(8, d, rngs=rngs)
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create_block(rngs):
+      return ScanBlock(rngs, d)
+
+    self.blocks = create_block(rngs)
+    self.out = nnx.Linear(d, 4, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(x, block):
+      return block(x)
+
+    return self.out(forward(self.inp(x), self.blocks))
+
+
+def scan_over_layers(recipe):
+  x = jax.random.normal(jax.random.key(19), (B, 8))
+  y = jax.random.normal(jax.random.key(20), (B, 4))
+  return _nnx_build(lambda: ScanOverLayers(3, nnx.Rngs(0)),
+                    lambda m: jnp.mean((m(x) - y) ** 2), recipe)
+
+
+CASES["scan_over_layers_nnx"] = scan_over_layers

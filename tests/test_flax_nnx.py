@@ -155,10 +155,14 @@ def test_bf16_logits_close_to_f32(tokens):
   assert rel > 0  # the bf16 path really ran in bf16
 
 
-def test_bad_override_and_policy_raise():
+def test_bad_override_and_policy_raise(tokens):
   model = M.AttentionLM(rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="lm_haed"):
-    apply_policy(model, MIXED, {"*lm_haed*": "f32"})
+  # A pattern matching no module path may name a jax.named_scope of the model's code: a
+  # typo is reported at the call, with the scopes the call has.
+  apply_policy(model, MIXED, {"*lm_haed*": "f32"})
+  with pytest.raises(ValueError, match="lm_haed.*matched no scope.*lm_head"):
+    jax.eval_shape(model, tokens)
+  model = M.AttentionLM(rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="bf17"):
     apply_policy(model, "p=f32,c=bf17")
   with pytest.raises(ValueError, match="blocks"):

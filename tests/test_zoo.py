@@ -4,10 +4,13 @@ For every model of the zoo (one of them, explicit_sharding_nnx, traced and lower
 2-device mesh with Explicit axes and `out_sharding=` annotations), unmodified, with the
 recipe applied from outside in one line:
   * fp32 is bit-identical to the plain model: loss, every gradient, updated batch_stats;
-  * bf16_mixed: every GEMM / convolution of the forward AND backward pass is
-    bf16 x bf16 -> f32 in the program lowered for CUDA (read from its StableHLO; the CPU
-    branch of the policy GEMMs upcasts by design, so dtypes are never read from a CPU run);
-  * bf16_mixed: the f32 ops (softmax, norms, exp/log/tanh/logistic, sums) compute in f32,
+  * bf16_mixed and f16_mixed: every GEMM / convolution of the forward AND backward pass is
+    compute x compute -> f32 in the program lowered for CUDA (read from its StableHLO: a
+    dot algorithm of another dtype would show as converts to it; the CPU branch of the
+    policy GEMMs upcasts by design, so dtypes are never read from a CPU run), whatever
+    dtypes the model's code chose itself;
+  * bf16_mixed: the f32 ops (softmax, norms, exp/log/tanh/logistic, sums, the sums of
+    the backward pass included) compute in f32 even where the model cast to bf16 itself,
     `check(policy)` passes on the differentiated program, and the loss is within 1e-2
     (relative) of fp32.
 """
@@ -45,29 +48,43 @@ def value_and_grads(name, recipe):
   return loss, aux, grads
 
 
-@pytest.mark.parametrize("name", list(_zoo.CASES))
+# Cases whose compilations take over ~5 s in a test: run with -m slow.
+SLOW_FP32 = {"bf16_configured_nnx", "train_keywords_linen", "transformer_haiku"}
+SLOW_F32_OPS = {"train_keywords_linen", "transformer_haiku"}
+SLOW_LOWERING = {"transformer_haiku"}
+
+
+def _cases(slow=frozenset()):
+  return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in _zoo.CASES]
+
+
+@pytest.mark.parametrize("name", _cases(SLOW_FP32))
 def test_fp32_recipe_bit_identical_to_plain_model(name):
   plain, lib = value_and_grads(name, None), value_and_grads(name, "fp32")
   assert_bit_identical(lib[0], plain[0], "loss")
   assert_bit_identical(lib[2], plain[2], "gradients")
-  assert_bit_identical(lib[1], plain[1], "updated batch_stats (or None)")
+  assert_bit_identical(lib[1], plain[1], "updated state (batch_stats, RNG, Haiku/Equinox "
+                       "state) or None")
 
 
-@pytest.mark.parametrize("name", list(_zoo.CASES))
-def test_bf16_every_gemm_forward_and_backward_is_bf16_f32_on_cuda(name):
-  b = built(name, "bf16_mixed")
+@pytest.mark.parametrize("recipe", ["bf16_mixed", "f16_mixed"])
+@pytest.mark.parametrize("name", _cases(SLOW_LOWERING))
+def test_every_gemm_forward_and_backward_is_compute_f32_on_cuda(name, recipe):
+  compute = {"bf16_mixed": "bf16", "f16_mixed": "f16"}[recipe]
+  b = built(name, recipe)
   with b.context():
     prog = lower(jax.value_and_grad(b.loss, has_aux=True), b.params, platform="cuda")
   gemms = [(g.op, *g.signature()) for g in prog.gemms]
   assert gemms, "no GEMM found in the lowered program"
-  wrong = [g for g in gemms if g[1:] != ("bf16", "bf16", "f32")]
-  assert not wrong, f"{len(wrong)} of {len(gemms)} GEMMs are not bf16 x bf16 -> f32: {wrong}"
-  prog.check("bf16_mixed")
+  wrong = [g for g in gemms if g[1:] != (compute, compute, "f32")]
+  assert not wrong, (f"{len(wrong)} of {len(gemms)} GEMMs are not {compute} x {compute} "
+                     f"-> f32: {wrong}")
+  prog.check(recipe)
   # Forward and backward GEMMs both there (the lowering keeps JAX's name stacks).
   assert prog.gemm_signatures("fwd") and prog.gemm_signatures("bwd")
 
 
-@pytest.mark.parametrize("name", list(_zoo.CASES))
+@pytest.mark.parametrize("name", _cases(SLOW_F32_OPS))
 def test_bf16_f32_ops_check_and_loss(name):
   b = built(name, "bf16_mixed")
   with b.context():
@@ -84,6 +101,11 @@ def test_bf16_f32_ops_check_and_loss(name):
   # Gradients keep the param dtype (f32 params: f32 gradients).
   grads = value_and_grads(name, "bf16_mixed")[2]
   assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+  # State keeps its tree and dtypes (a bf16 cache stays bf16, f32 statistics f32).
+  state, plain_state = value_and_grads(name, "bf16_mixed")[1], value_and_grads(name, None)[1]
+  assert jax.tree.structure(state) == jax.tree.structure(plain_state)
+  assert [x.dtype for x in jax.tree.leaves(state)] == [
+      x.dtype for x in jax.tree.leaves(plain_state)]
 
 
 def test_lowered_gemm_reader_sees_a_wrong_policy():

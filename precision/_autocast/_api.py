@@ -31,6 +31,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from precision import _fp32_ops
@@ -346,6 +347,11 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
     return Traced(None, [], env, None, decisions)
   in_flat = jax.tree_util.tree_leaves((node_state, arrays))
   outs = _interpret.eval_jaxpr(env, closed.jaxpr, closed.consts, in_flat)
+  # An output that is a constant of the traced program (a literal or a captured constant:
+  # `jnp.array(False)`, a counter reset to 0) is a jax.Array, as in a plain call.
+  outs = [x if isinstance(x, jax.Array) or not hasattr(v.aval, "dtype")
+          else jnp.asarray(x, v.aval.dtype)
+          for x, v in zip(outs, closed.jaxpr.outvars)]
   out_tree = jax.tree_util.tree_structure(out_shape)
   # Every output keeps its traced dtype except the function's floating results, which
   # the caller casts; NNX state written back keeps each variable's own dtype.
@@ -358,7 +364,7 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
         state_tree, _interpret.cast_all(state_leaves, traced_dtypes[n_result:]))
     nnx.update(tuple(nodes), new_state)
   if check_overrides:
-    _check_overrides(spec, env)
+    check_overrides_matched(spec, env)
   new_fp8 = None
   if env.fp8 is not None and spec.fp8_state:
     # Every site is evaluated (a jaxpr holding one is never bound as traced); a key the
@@ -388,8 +394,11 @@ def _changed_state(before: Any, after: Any) -> Any:
                               if not unchanged(path, var)])
 
 
-def _check_overrides(spec: AutocastSpec, env: _interpret.Env) -> None:
-  unmatched = [r.key for r in spec.rules if r.key not in env.matched]
+def check_overrides_matched(spec: AutocastSpec, env: _interpret.Env, keys=None) -> None:
+  """Raises ValueError naming every override rule of `spec` (those with a key in `keys`,
+  default all) that matched no scope of the program `env` evaluated."""
+  unmatched = [r.key for r in spec.rules
+               if r.key not in env.matched and (keys is None or r.key in keys)]
   if unmatched:
     scopes = sorted(env.seen_scopes)
     shown = ", ".join(repr(s) for s in scopes[:16]) + (", ..." if len(scopes) > 16 else "")
@@ -436,10 +445,44 @@ def _refuse_f64_without_x64(spec: AutocastSpec) -> None:
             "after jax.config.update('jax_enable_x64', True)")
 
 
+def _state_positions(state_outputs: Any) -> tuple[int, ...]:
+  """`state_outputs` of autocast as a sorted tuple of result positions."""
+  given = (state_outputs,) if isinstance(state_outputs, int) else state_outputs
+  try:
+    positions = tuple(given)
+  except TypeError:
+    positions = None
+  if positions is None or not all(
+      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions):
+    raise ValueError(
+        f"state_outputs={state_outputs!r}; accepted: the position (int >= 0) or positions "
+        "(a tuple of them) of the function's tuple result that are state, e.g. 1 for "
+        "Haiku's apply(params, state, rng, x) -> (out, new_state)")
+  return tuple(sorted(set(positions)))
+
+
+def _results(traced: Traced, spec: AutocastSpec, state: tuple[int, ...]) -> Any:
+  """The wrapped function's result: floating leaves in the output dtype, except the
+  `state` positions of a tuple result, whose leaves keep their traced dtypes."""
+  if not state:
+    return cast_floating(traced.outputs, spec.policy.output_dtype)
+  out = traced.outputs
+  if not isinstance(out, (tuple, list)) or len(out) <= state[-1]:
+    got = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list))
+           else f"a {type(out).__name__}, not a tuple")
+    raise ValueError(
+        f"state_outputs={state!r} names positions of the function's tuple result, but the "
+        f"function returned {got}")
+  kept = traced.outputs_in_traced_dtypes()
+  items = [kept[i] if i in state else cast_floating(x, spec.policy.output_dtype)
+           for i, x in enumerate(out)]
+  return out._make(items) if hasattr(out, "_make") else type(out)(items)
+
 
 def autocast(fn: Callable, policy: Any,
              overrides: Mapping[Any, Any] | None = None, *,
-             fp32_ops=None, fp8_state: bool = False) -> Callable:
+             fp32_ops=None, fp8_state: bool = False,
+             state_outputs: int | tuple[int, ...] = ()) -> Callable:
   """`fn` under a precision policy: a function with the same signature whose GEMMs run
   on compute-dtype operands with f32 accumulation, forward and backward, whose fp32 ops
   run in f32, and whose floating results are returned in the policy's output dtype.
@@ -456,6 +499,14 @@ def autocast(fn: Callable, policy: Any,
       and the op computes and returns f32;
     * elementwise ops on mixed float dtypes run in the wider one (a bf16 GEMM result plus
       an f32 bias is an f32 add: the bias gradient is summed in f32);
+    * under an f32 (or wider) compute dtype - the `fp32` recipe, an f32 override - every
+      op runs as written (the code's own bf16 casts, precision and dot algorithms: the
+      `fp32` recipe is bit-identical to `fn`); an override giving a scope "f32" is the
+      opt-out for code that means its own casts. Below f32 a GEMM's `precision=` is
+      re-derived for its compute-dtype operands, a GEMM that asked for a wider result
+      (`preferred_element_type=f32` on bf16 operands, precision HIGHEST on f32 operands)
+      returns it, and a narrow value broadcast over a batch (a bias the code cast to
+      bf16) is broadcast through f32 so that its gradient is summed in f32;
     * explicit casts in `fn` are kept; custom_vjp functions and Pallas kernels run as
       written (their operands in the dtypes they were traced with); jit, scan, while,
       cond, remat and custom_jvp are recursed into (loop carries keep their dtypes).
@@ -495,8 +546,16 @@ def autocast(fn: Callable, policy: Any,
       `precision.fp8.merge_state_grads` (`precision.fp8.autocast_value_and_grad` does
       both). Required for delayed scaling; allowed for every scaling (the state then
       records each GEMM's last amax, scale, saturation and underflow counts).
+    state_outputs: positions of `fn`'s tuple result that are state (Haiku's
+      `apply(params, state, rng, x) -> (out, new_state)`: 1; an Equinox step returning
+      `(out, eqx.nn.State)`: 1): their floating leaves keep the dtypes the traced program
+      gave them (a bf16 cache stays bf16, f32 running statistics stay f32), so the state
+      round-trips through `lax.scan`/`fori_loop` carries and the next call; the other
+      results are cast to the output dtype. Default: none (every floating result is).
   Returns:
-    The wrapped function.
+    The wrapped function. Results that are constants of the traced program (a flag
+    `jnp.array(False)`, a counter reset to 0) are returned as jax.Arrays, as a plain
+    call returns them.
 
   Examples:
     >>> def loss_fn(params, x, y):           # written with no dtype in mind
@@ -517,6 +576,7 @@ def autocast(fn: Callable, policy: Any,
                      "under the policy)")
   spec = AutocastSpec.make(policy, overrides, fp32_ops, fp8_state=fp8_state)
   _refuse_f64_without_x64(spec)
+  state = _state_positions(state_outputs)
 
   def init_state(*args, **kwargs):
     """{site key: Fp8DotState}, fresh (zero histories, unit scales), for the fp8 GEMMs
@@ -526,9 +586,9 @@ def autocast(fn: Callable, policy: Any,
 
   if spec.fp8_state:
     @functools.wraps(fn)
-    def with_state(state, *args, **kwargs):
-      traced = run(spec, fn, args, kwargs, fp8_state=state)
-      return cast_floating(traced.outputs, spec.policy.output_dtype), traced.fp8_state
+    def with_state(fp8, *args, **kwargs):
+      traced = run(spec, fn, args, kwargs, fp8_state=fp8)
+      return _results(traced, spec, state), traced.fp8_state
 
     with_state.autocast_spec = spec
     with_state.init_state = init_state
@@ -543,8 +603,7 @@ def autocast(fn: Callable, policy: Any,
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    out = run(spec, fn, args, kwargs).outputs
-    return cast_floating(out, spec.policy.output_dtype)
+    return _results(run(spec, fn, args, kwargs), spec, state)
 
   wrapped.autocast_spec = spec
   return wrapped

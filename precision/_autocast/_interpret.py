@@ -179,22 +179,64 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
     if plan is None:
       return _verbatim(eqn, invals)
     p = eqn.params
+    # The traced `precision` described the traced operands. The policy GEMM's operands
+    # are in the compute dtype with f32 accumulation, and it runs at DEFAULT precision: a
+    # DotAlgorithmPreset such as BF16_BF16_F32 (jax.nn.dot_product_attention's for bf16
+    # inputs) kept on f16 operands would make XLA convert them back to bf16, and on
+    # bf16/f16 operands with f32 accumulation every Precision computes the same products.
     if name == "dot_general":
       return _gemm.policy_dot_general(
           invals[0], invals[1], p["dimension_numbers"], plan.compute,
-          precision=p.get("precision"), out_sharding=p.get("out_sharding"), out_dtype=plan.out)
-    return _gemm.policy_conv(invals[0], invals[1], _gemm.conv_params_of(p), plan.compute,
+          precision=None, out_sharding=p.get("out_sharding"), out_dtype=plan.out)
+    return _gemm.policy_conv(invals[0], invals[1],
+                             _gemm.conv_params_of(p)._replace(precision=None), plan.compute,
                              plan.out, out_sharding=p.get("out_sharding"))
   if name in env.fp32_primitives and R.f32_plan(dts):
+    if R.as_written(env.policy_at(scope).compute_dtype):
+      return _verbatim(eqn, invals)  # f32 compute: the code's own narrow ops as written
     ups = [R.cast(x, _F32) if R.below_f32(d) else x for x, d in zip(invals, dts)]
     return _compat.bind_eqn(eqn, ups)
   if name in R.CONTAINERS:
     return _container(env, eqn, invals, prefix, path)
   if name in R.PROMOTING:
-    return _compat.bind_eqn(eqn, R.promote_operands(eqn, invals))
+    ops = R.promote_operands(eqn, invals)
+    if name in R.BROADCASTING and _sums_in_f32(env, scope):
+      ops = [_broadcast_in_f32(x, eqn.outvars[0].aval.shape)
+             if _repeats_narrow(v, x, eqn.outvars[0].aval.shape) else x
+             for v, x in zip(eqn.invars, ops)]
+    return _compat.bind_eqn(eqn, ops)
+  if (name == "broadcast_in_dim" and _sums_in_f32(env, scope)
+      and _repeats_narrow(eqn.invars[0], invals[0], eqn.outvars[0].aval.shape)):
+    # The transpose of a broadcast is a sum (a bias's or a norm scale's gradient over the
+    # batch): broadcast the narrow value upcast and round it back (exact: the values are
+    # those of the narrow broadcast), so that the backward sum runs in f32, rounded once.
+    up = _compat.bind_eqn(eqn, [R.cast(invals[0], _F32), *invals[1:]])
+    return R.cast(up, dts[0])
   if name in R.POLYMORPHIC:
     return _compat.bind_eqn(eqn, invals)
   return _verbatim(eqn, invals)
+
+
+def _sums_in_f32(env: Env, scope: str) -> bool:
+  """A scope computing below f32 whose recipe keeps sums in f32: the backward sums that
+  broadcasts turn into (below) run in f32 there too."""
+  return ("reduce_sum" in env.fp32_primitives
+          and not R.as_written(env.policy_at(scope).compute_dtype))
+
+
+def _repeats_narrow(var, x, out_shape) -> bool:
+  """`x` (the value of `var`, not a literal) is below f32 and repeated to `out_shape`: its
+  gradient is a sum over the repeated elements (the code's own bf16 bias added to a GEMM
+  result, a bf16 param broadcast over the batch)."""
+  return (not isinstance(var, jax.extend.core.Literal) and R.below_f32(R.dtype_of(x))
+          and tuple(np.shape(x)) != tuple(out_shape))
+
+
+def _broadcast_in_f32(x, out_shape):
+  """`x` broadcast to `out_shape` (same rank, size-1 dims repeated; or a scalar) through
+  f32 and rounded back: the same values, and the transpose sums in f32."""
+  dims = tuple(range(np.ndim(x))) if np.ndim(x) else ()
+  return R.cast(lax.broadcast_in_dim(R.cast(x, _F32), tuple(out_shape), dims), R.dtype_of(x))
 
 
 # ----------------------------------------------------------------------------- containers
@@ -240,7 +282,8 @@ def changes(env: Env, jaxpr, prefix: str, jvp_rules: bool = True) -> bool:
         found = found or bool(env.fp8 is not None and env.fp8.selected
                               and _fp8.is_candidate(eqn))
       elif name in env.fp32_primitives:
-        found = R.f32_plan(d for d in dts if d is not None)
+        found = R.f32_plan(d for d in dts if d is not None) and not R.as_written(
+            env.policy_at(scope).compute_dtype)
       elif name in R.CONTAINERS:
         found = any(changes(env, sub, raw) for sub in _subjaxprs(eqn))
         if name == "custom_jvp_call" and not found and jvp_rules:

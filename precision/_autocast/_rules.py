@@ -20,6 +20,10 @@ Every equation of the traced program falls in one class:
 
 Control flow (jit, scan, while, cond, remat, custom_jvp) is recursed into; loop carries
 and branch results keep their traced dtypes.
+
+In a scope whose policy computes in f32 or wider (`as_written`) the GEMM and f32-op rows
+do not apply: every op is bound as traced, so the code's own lower-precision choices
+stand and the `fp32` recipe is the identity.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ PROMOTING: dict[str, tuple[int, ...] | None] = {
     "scatter_mul": (0, 2), "scatter-min": (0, 2), "scatter_min": (0, 2),
     "scatter-max": (0, 2), "scatter_max": (0, 2),
 }
+
+# Differentiable elementwise ops among them that repeat a size-1 (or scalar) operand over
+# the others' shape: their transpose sums the cotangent over the repeated elements.
+BROADCASTING = frozenset(("add", "sub", "mul", "div", "max", "min", "pow", "atan2",
+                          "add_any"))
 
 # Ops that take any float dtype (per operand) and return it: bound with what arrives.
 POLYMORPHIC = frozenset((
@@ -121,16 +130,45 @@ class GemmPlan(NamedTuple):
   out: np.dtype
 
 
+def as_written(compute: np.dtype) -> bool:
+  """Whether a scope whose policy computes in `compute` runs every op as written: a
+  compute dtype of f32 or wider asks for no lower precision, so nothing the code chose
+  (its own bf16 casts around an attention, a GEMM's precision, lower-precision params it
+  multiplies without promotion) is changed; operands are only brought back to the dtypes
+  they were traced with (a value a bf16 scope handed to an f32 override scope)."""
+  return np.dtype(compute).itemsize >= 4
+
+
+def _states_its_numerics(eqn, lt: np.dtype, rt: np.dtype) -> bool:
+  """A GEMM that asked for its result in a wider dtype than the policy would give it:
+  `preferred_element_type` wider than its operands (bf16 x bf16 -> f32), or f32 operands
+  with precision HIGHEST or an explicit dot algorithm (the code asked for f32 accuracy).
+  jnp writes `preferred_element_type` = the operand dtype on every f32 GEMM, so on f32
+  operands only `precision` tells an explicit request apart."""
+  pref = eqn.params.get("preferred_element_type")
+  if pref is not None and np.dtype(pref).itemsize > max(lt.itemsize, rt.itemsize):
+    return True
+  if min(lt.itemsize, rt.itemsize) < 4:
+    return False
+  precision = eqn.params.get("precision")
+  values = precision if isinstance(precision, (tuple, list)) else (precision,)
+  if any(v == jax.lax.Precision.HIGHEST for v in values):
+    return True
+  return any(isinstance(v, (jax.lax.DotAlgorithm, jax.lax.DotAlgorithmPreset))
+             and v != jax.lax.DotAlgorithmPreset.DEFAULT for v in values)
+
+
 def gemm_plan(eqn, lhs_dtype: np.dtype, rhs_dtype: np.dtype, compute: np.dtype,
               backward: bool) -> GemmPlan | None:
   """How a traced GEMM runs under a policy with `compute` dtype, given the dtypes its
-  operands arrive in; None: bind it as written (non-float or fp8 operands, or a GEMM
-  that already is what the policy asks for).
+  operands arrive in; None: bind it as written, its operands cast back to their traced
+  dtypes (non-float or fp8 operands, or an f32-or-wider compute dtype: `as_written`).
 
-  The result dtype is the compute dtype, except where the traced program asked for a
-  wider accumulator than its operands (`preferred_element_type=f32` on bf16 operands: the
-  result stays f32) and for GEMMs of a differentiated program's backward pass (gradients
-  keep their traced dtype, e.g. f32 for f32 params).
+  The result dtype is the compute dtype, except for a GEMM that asked for a wider result
+  (`_states_its_numerics`: `preferred_element_type=f32` on bf16 operands, precision
+  HIGHEST on f32 operands; it keeps its traced result dtype) and for GEMMs of a
+  differentiated program's backward pass (gradients keep their traced dtype, e.g. f32
+  for f32 params).
   """
   lt, rt = (np.dtype(v.aval.dtype) for v in eqn.invars[:2])
   traced_out = np.dtype(eqn.outvars[0].aval.dtype)
@@ -138,13 +176,10 @@ def gemm_plan(eqn, lhs_dtype: np.dtype, rhs_dtype: np.dtype, compute: np.dtype,
     return None
   if any(is_fp8(d) for d in (lt, rt, lhs_dtype, rhs_dtype)):
     return None  # an fp8 GEMM (precision.fp8) already scaled its operands
-  pref = eqn.params.get("preferred_element_type")
-  explicit = pref is not None and np.dtype(pref).itemsize > max(lt.itemsize, rt.itemsize)
-  out = np.dtype(pref) if explicit else (traced_out if backward else compute)
-  if (compute.itemsize >= 4 and lhs_dtype == rhs_dtype == lt == rt == compute
-      and out == traced_out):
+  if as_written(compute):
     return None
-  return GemmPlan(compute, out)
+  keep = backward or _states_its_numerics(eqn, lt, rt)
+  return GemmPlan(compute, traced_out if keep else compute)
 
 
 def f32_plan(in_dtypes) -> bool:

@@ -52,9 +52,12 @@ def _cast_variable(var: nnx.Variable, dtype: np.dtype) -> None:
 def call_under_spec(spec: _api.AutocastSpec, method, module, args, kwargs):
   """`method(module, *args, **kwargs)` under autocast with `spec`; floating results in the
   root policy's output dtype."""
-  out = _api.run(spec, lambda m, *a, **k: method(m, *a, **k), (module, *args), kwargs,
-                 check_overrides=False).outputs
-  return cast_floating(out, spec.policy.output_dtype)
+  traced = _api.run(spec, lambda m, *a, **k: method(m, *a, **k), (module, *args), kwargs,
+                    check_overrides=False)
+  # Patterns that name no module path name jax.named_scope scopes of the model's code: one
+  # that matched no scope of this call either is a typo.
+  _api.check_overrides_matched(spec, traced.env, scope_patterns(module, spec))
+  return cast_floating(traced.outputs, spec.policy.output_dtype)
 
 
 def _install_dispatcher(cls: type) -> None:
@@ -125,9 +128,9 @@ def _check_agrees(mark: _api.AutocastSpec, active: _api.AutocastSpec) -> bool:
   return bool(mark.rules) and not active.rules
 
 
-def policy_paths(module: nnx.Module, spec: _api.AutocastSpec) -> dict[tuple, Policy]:
-  """{module path: the policy its params take}; raises for override patterns that match no
-  module path."""
+def _match_paths(module: nnx.Module, spec: _api.AutocastSpec) -> tuple[dict, set, dict]:
+  """({module path: the policy its params take}, the rule keys some module path matched,
+  {module path: module})."""
   modules = {tuple(p): n for p, n in nnx.iter_graph(module) if isinstance(n, nnx.Module)}
   matched: set = set()
   out: dict[tuple, Policy] = {}
@@ -138,9 +141,28 @@ def policy_paths(module: nnx.Module, spec: _api.AutocastSpec) -> dict[tuple, Pol
     if rule is not None:
       matched.add(rule.key)
     out[path] = spec.policy if rule is None else rule.policy
-  _overrides.check_all_matched(spec.rules, matched,
+  return out, matched, modules
+
+
+def policy_paths(module: nnx.Module, spec: _api.AutocastSpec) -> dict[tuple, Policy]:
+  """{module path: the policy its params take}; raises for a module type key that matches
+  no module. A path pattern that matches no module path may name a `jax.named_scope` in
+  the model's code (an f32 head written inline): it is checked against the scopes of
+  each call (`scope_patterns`)."""
+  out, matched, modules = _match_paths(module, spec)
+  types = [r for r in spec.rules if not isinstance(r.key, str)]
+  _overrides.check_all_matched(types, matched,
                                [_overrides.path_str(p) for p in modules if p])
   return out
+
+
+def scope_patterns(module: nnx.Module, spec: _api.AutocastSpec) -> tuple:
+  """The override patterns of `spec` that match no module path of `module`: they must
+  match a scope of the traced call."""
+  if not spec.rules:
+    return ()
+  _, matched, _ = _match_paths(module, spec)
+  return tuple(r.key for r in spec.rules if isinstance(r.key, str) and r.key not in matched)
 
 
 def apply_policy(module: nnx.Module, policy: Any,
@@ -162,15 +184,18 @@ def apply_policy(module: nnx.Module, policy: Any,
       (its policy and fp32_ops; an fp8 recipe is refused: its fp8 layers come from
       `apply_recipe`), or a Plan (`precision.bind`: its policy, overrides and fp32_ops).
     overrides: {path pattern or module type: Policy or string}; patterns are fnmatch'ed
-      against "/"-joined module paths ("blocks/0/mlp/up"); the deepest module a rule
-      matches decides, submodules inherit. E.g. {"*lm_head*": "f32"}.
+      against "/"-joined module paths ("blocks/0/mlp/up") and the `jax.named_scope`
+      names of the model's code below them ("head" for `with jax.named_scope("head")`
+      in the root's __call__); the deepest scope a rule matches decides, submodules
+      inherit. E.g. {"*lm_head*": "f32"}.
     fp32_ops: op names kept in f32 (default precision.DEFAULT_FP32_OPS).
   Returns:
     `module`.
   Raises:
     ValueError: for a bad policy string or preset name, a bad override key or policy, a
-      pattern that matches no module path, an fp8 compute dtype or an fp8 recipe (use
-      `apply_recipe`).
+      module type that matches no module, an fp8 compute dtype or an fp8 recipe (use
+      `apply_recipe`); at a call, for a pattern that matches neither a module path nor a
+      `jax.named_scope` of the call.
 
   Examples:
     >>> model = apply_policy(model, "p=f32,c=bf16,o=f32", {"*lm_head*": "f32"})

@@ -122,10 +122,12 @@ class Fp8DotGeneral(nnx.Module):
     policy: its compute dtype is the output dtype (default: the lhs dtype); a
       `preferred_element_type` passed by the layer wins.
     scaling: per-operand override of `config.scaling` (see `Fp8Spec.from_config`).
+    stack: leading axes of every state variable (the layer axes of a layer created
+      under `nnx.vmap`, applied under `nnx.scan`); default none.
   """
 
   def __init__(self, config: Fp8Config, policy: Policy | None = None, *,
-               scaling: str | Mapping[str, str] | None = None):
+               scaling: str | Mapping[str, str] | None = None, stack: tuple[int, ...] = ()):
     self.config = config
     self.spec = Fp8Spec.from_config(config, scaling)
     self.out_dtype = None if policy is None else policy.compute_dtype
@@ -133,7 +135,11 @@ class Fp8DotGeneral(nnx.Module):
     for op in OPERANDS:
       kind = Fp8GradState if op == "grad" else Fp8State
       for field, value in zip(STATE_FIELDS, getattr(init, op)):
-        setattr(self, f"{op}_{field}", kind(value))
+        # A layer stacked by nnx.vmap (scan over layers) has leading layer axes on its
+        # params: its scaling state gets them too, one state per layer, so that nnx.scan
+        # slices both alike.
+        setattr(self, f"{op}_{field}",
+                kind(jnp.broadcast_to(value, tuple(stack) + jnp.shape(value))))
 
   def _operand_state(self, op: str) -> sc.OperandState:
     return sc.OperandState(*(getattr(self, f"{op}_{f}")[...] for f in STATE_FIELDS))
@@ -215,8 +221,8 @@ class Fp8Einsum(nnx.Module):
   second the kernel). Its state lives in the child `dot` (an `Fp8DotGeneral`)."""
 
   def __init__(self, config: Fp8Config, policy: Policy | None = None, *,
-               scaling: str | Mapping[str, str] | None = None):
-    self.dot = Fp8DotGeneral(config, policy, scaling=scaling)
+               scaling: str | Mapping[str, str] | None = None, stack: tuple[int, ...] = ()):
+    self.dot = Fp8DotGeneral(config, policy, scaling=scaling, stack=stack)
 
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
                preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
@@ -242,7 +248,9 @@ def apply_fp8(module: nnx.Module, config: Fp8Config, policy: Policy | None = Non
   matches a pattern of `config.keep_high_precision` (fnmatch, case-sensitive; default
   "*lm_head*", "*embed*"), which keeps the layer's current GEMM (e.g. the policy's bf16
   dot_general set by `precision.flax.apply_policy`). Layers already in fp8 are left as
-  they are, so applying twice changes nothing.
+  they are, so applying twice changes nothing. A layer whose kernel has leading axes
+  beyond its own shape (created under `nnx.vmap`, applied under `nnx.scan`: Flax's
+  scan-over-layers) gets scaling state with those axes too, one state per layer.
 
   Args:
     module: an NNX module.
@@ -263,13 +271,28 @@ def apply_fp8(module: nnx.Module, config: Fp8Config, policy: Policy | None = Non
     elif isinstance(layer, nnx.Einsum) and not isinstance(layer.einsum_op, Fp8Einsum):
       targets.append(("einsum_op", layer))
   for attr, layer in targets:
+    stack = _layer_axes(layer)
     if attr == "dot_general":
       if isinstance(layer, nnx.LinearGeneral):
         layer.dot_general_cls = None  # it would take precedence over dot_general
-      layer.dot_general = nnx.data(Fp8DotGeneral(config, policy, scaling=scaling))
+      layer.dot_general = nnx.data(Fp8DotGeneral(config, policy, scaling=scaling,
+                                                 stack=stack))
     else:
-      layer.einsum_op = nnx.data(Fp8Einsum(config, policy, scaling=scaling))
+      layer.einsum_op = nnx.data(Fp8Einsum(config, policy, scaling=scaling, stack=stack))
   return module
+
+
+def _layer_axes(layer: nnx.Module) -> tuple[int, ...]:
+  """The leading axes a layer's kernel has beyond its own shape: the layer axes of a
+  stack created under `nnx.vmap` (Flax's scan-over-layers); () for a plain layer."""
+  if isinstance(layer, nnx.Linear):
+    own = 2
+  elif isinstance(layer, nnx.LinearGeneral):
+    own = len(layer.batch_axis) + len(layer.in_features) + len(layer.out_features)
+  else:  # nnx.Einsum
+    own = len(layer.kernel_shape)
+  shape = jnp.shape(layer.kernel[...])
+  return tuple(shape[:len(shape) - own])
 
 
 def fp8_modules(module: nnx.Module) -> list[tuple[str, Fp8DotGeneral]]:

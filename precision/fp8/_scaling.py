@@ -287,7 +287,9 @@ def keep_unused_grad_state(old: Mapping[str, jax.Array], new: Mapping[str, jax.A
   cotangent `new` (same keys as `old`; `scale_key` names the scale among them).
 
   A GEMM that took no part in the differentiated computation gets zero cotangents, scale 0
-  (never a real scale): its `old` state is kept rather than zeroed.
+  (never a real scale): its `old` state is kept rather than zeroed. State with leading
+  layer axes (a stack of layers) is decided layer by layer.
   """
-  used = new[scale_key] > 0
-  return {k: jnp.where(used, new[k], v) for k, v in old.items()}
+  used = new[scale_key] > 0   # per GEMM; [L] for layers stacked by nnx.vmap
+  return {k: jnp.where(jnp.reshape(used, used.shape + (1,) * (jnp.ndim(v) - used.ndim)),
+                       new[k], v) for k, v in old.items()}
