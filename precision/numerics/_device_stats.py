@@ -71,11 +71,12 @@ def _frac(count, total):
                    / jnp.maximum(total, 1).astype(jnp.float32), 0.0)
 
 
-def _rounding(x, r, nz, n, inv, fp8_max) -> list:
+def _rounding(x, r, nz, n, inv, fp8_max, signal) -> list:
   """[underflow, overflow, saturated, sqnr_db] per row of the elements under `nz`, and the
   finiteness and magnitude of `r` (the rounding of x, both scaled alike); `inv` [g, 1]
   what SQNR's sums multiply by; `fp8_max` [g, 1] the fp8 max of each row's format (0: not
-  fp8), None when no row is fp8 (saturated is then 0)."""
+  fp8), None when no row is fp8 (saturated is then 0); `signal` [g] the rows' sum of
+  (x * inv)^2 over `nz` (the same for every format of one scaling)."""
   finite_r = jnp.isfinite(r)
   mag = jnp.abs(r)
   underflow = _frac(_count(nz & (r == 0)), n)
@@ -84,13 +85,17 @@ def _rounding(x, r, nz, n, inv, fp8_max) -> list:
     saturated = jnp.zeros(n.shape, jnp.float32)
   else:
     saturated = _frac(_count(nz & (fp8_max > 0) & (mag == fp8_max)), n)
-  s = jnp.where(nz, x * inv, 0.0)
   e = jnp.where(nz & finite_r, (x - r) * inv, 0.0)
-  signal, noise = jnp.sum(s * s, axis=1), jnp.sum(e * e, axis=1)
+  noise = jnp.sum(e * e, axis=1)
   sqnr = jnp.where(noise > 0, 10.0 * jnp.log10(signal / jnp.where(noise > 0, noise, 1.0)),
                    jnp.inf)
   sqnr = jnp.where(overflow > 0, -jnp.inf, jnp.where(n > 0, sqnr, jnp.inf))
   return [underflow, overflow, saturated, sqnr, finite_r, mag]
+
+
+def _signal(x, nz, inv):
+  s = jnp.where(nz, x * inv, 0.0)
+  return jnp.sum(s * s, axis=1)
 
 
 def _normaliser(amax):
@@ -133,8 +138,10 @@ def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
       smallest[rows] = formats.info(d).smallest_normal
       if _stats.is_fp8(d):
         fp8_max[rows] = formats.info(d).max
+  inv = _normaliser(amax)[:, None]
+  signal = _signal(x, nz, inv)
   underflow, overflow, saturated, sqnr, finite_r, rmag = _rounding(
-      x, r, nz, n, _normaliser(amax)[:, None], fp8_max if fp8_max.any() else None)
+      x, r, nz, n, inv, fp8_max if fp8_max.any() else None, signal)
   subnormal = _frac(_count(nz & finite_r & (r != 0) & (rmag < smallest)), n)
   total = jnp.full(n.shape, size, jnp.int32)
   out = [n.astype(jnp.float32), _frac(_count(~finite), total), _frac(_count(x == 0), total),
@@ -144,9 +151,11 @@ def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
       if scaled:
         scale = _current_scale(amax, fmt)
         v, a = x * scale[:, None], amax * scale
-      else:
-        v, a = x, amax
-      u, o, _, q, _, _ = _rounding(v, round_to(v, fmt), nz, n, _normaliser(a)[:, None], None)
+        w_inv = _normaliser(a)[:, None]
+        w_signal = _signal(v, nz, w_inv)
+      else:  # the values measured above: their signal is the one already summed
+        v, w_inv, w_signal = x, inv, signal
+      u, o, _, q, _, _ = _rounding(v, round_to(v, fmt), nz, n, w_inv, None, w_signal)
       out += [u, o, q]
   return jnp.stack([jnp.asarray(c, jnp.float32) for c in out], axis=1)
 

@@ -60,3 +60,43 @@ def heatmap(report, path: str | os.PathLike, statistics=("underflow", "overflow"
   path = os.fspath(path)
   fig.savefig(path, dpi=110)
   return path
+
+
+# The formats drawn as range lines: (label, dtype name for precision.formats, color).
+_RANGE_FORMATS = (("bf16", "bf16", "tab:blue"), ("f16", "f16", "tab:orange"),
+                  ("e4m3", "e4m3", "tab:green"), ("e5m2", "e5m2", "tab:red"))
+
+
+def scales(report, path: str | os.PathLike, max_rows: int = 60) -> str:
+  """Each tensor's magnitude range, log2(amin_nonzero) to log2(amax), one line per row
+  (forward black, backward purple), against every format's range: its smallest
+  subnormal (dotted), smallest normal (dashed) and max (solid). Values left of a format's
+  dotted line flush to zero in it, right of its solid line overflow (unit-scaling's
+  picture of where a tensor sits in a format)."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from precision import formats  # pylint: disable=g-import-not-at-top
+
+  rows = [r for r in report.rows if r.nonzero][:max_rows]
+  fig = Figure(figsize=(9, 1.5 + 0.22 * max(len(rows), 2)), layout="constrained")
+  ax = fig.subplots()
+  for i, r in enumerate(rows):
+    lo, hi = np.log2(r.amin_nonzero), np.log2(r.amax)
+    color = "black" if r.direction == "fwd" else "purple"
+    ax.plot([lo, hi], [i, i], color=color, lw=2.5, solid_capstyle="butt")
+  for label, name, color in _RANGE_FORMATS:
+    info = formats.info(name)
+    for value, style in ((info.smallest_subnormal, ":"), (info.smallest_normal, "--"),
+                         (info.max, "-")):
+      ax.axvline(np.log2(float(value)), color=color, ls=style, lw=1, alpha=0.8)
+    ax.text(np.log2(float(info.max)), len(rows) - 0.3, label, color=color, fontsize=8,
+            ha="right", va="bottom")
+  ax.set_yticks(range(len(rows)), [f"{r.scope or '(root)'} {r.direction} {r.role}"
+                                   for r in rows], fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlabel("log2 |value| (amin_nonzero .. amax)", fontsize=9)
+  ax.set_title(f"{report.name} under {report.policy}: tensor ranges against format ranges "
+               "(dotted: smallest subnormal, dashed: smallest normal, solid: max)",
+               fontsize=9)
+  path = os.fspath(path)
+  fig.savefig(path, dpi=100)
+  return path

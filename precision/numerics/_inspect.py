@@ -89,9 +89,10 @@ def _module_scopes(nodes):
           delattr(cls, m)
 
 
-def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple[str, tuple]:
+def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
   """Traces fn(*args, **kwargs) under autocast and evaluates it with the recorder;
-  returns the policy string and the higher-order primitives whose GEMMs went unseen.
+  returns the policy string, the higher-order primitives whose GEMMs went unseen and
+  the outputs of the evaluation (autocast's: floating results in the output dtype).
   `recorder(on_tensor)` makes the evaluator (default: _interpret.Recorder)."""
   if not callable(fn):
     raise ValueError(f"fn must be callable (a loss, a forward or a value_and_grad "
@@ -115,10 +116,11 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple[
 
   wrapped = autocast(flat_fn, recipe_or_policy)
   with _module_scopes(nodes):
-    closed = jax.make_jaxpr(wrapped)(*arrays)
+    closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*arrays)
   recorder = (recorder or _interpret.Recorder)(on_tensor)
-  recorder.run(closed, arrays)
-  return str(wrapped.autocast_spec.policy), tuple(recorder.unvisited)
+  outs = recorder.run(closed, arrays)
+  outputs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+  return str(wrapped.autocast_spec.policy), tuple(recorder.unvisited), outputs
 
 
 def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.NumericsReport:
@@ -178,7 +180,7 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
   def on_tensor(info, value, dtype):
     rows.append(_report.TensorStats(**vars(info), **_stats.tensor_stats(value, dtype)))
 
-  policy, unvisited = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
+  policy, unvisited, _ = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
   order = {"lhs": 0, "rhs": 1, "out": 2}
   rows.sort(key=lambda r: (r.index, order[r.operand]))
   name = getattr(fn, "__name__", None) or type(fn).__name__

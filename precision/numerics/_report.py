@@ -268,5 +268,21 @@ class NumericsReport:
     from precision.numerics import _heatmap  # pylint: disable=g-import-not-at-top
     return _heatmap.heatmap(self, path, statistics)
 
+  def scale_plot(self, path, max_rows: int = 60) -> str:
+    """Draws each tensor's range (log2 of its smallest nonzero and largest magnitude)
+    against the ranges of bf16, f16, E4M3 and E5M2 (smallest subnormal, smallest normal,
+    max) as a PNG: where each tensor sits in each format. Needs matplotlib.
+
+    Args:
+      path: the file to write (.png).
+      max_rows: the first this many rows with a nonzero element, in program order.
+    Returns:
+      `path` as a string.
+    """
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+      raise ValueError(f"max_rows={max_rows!r}; accepted: an integer >= 1")
+    from precision.numerics import _heatmap  # pylint: disable=g-import-not-at-top
+    return _heatmap.scales(self, path, max_rows)
+
   def __str__(self) -> str:
     return self.table()

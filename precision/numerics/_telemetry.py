@@ -196,6 +196,13 @@ def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = Tr
   Returns:
     A TelemetryRecord.
   """
+  return telemetry_and_outputs(fn, recipe_or_policy, *args, whatif=whatif, **kwargs)[0]
+
+
+def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = True,
+                          **kwargs) -> tuple[TelemetryRecord, Any]:
+  """gemm_telemetry and the outputs of the evaluation it measured: fn's results as
+  autocast returns them (floating results in the policy's output dtype)."""
   from precision.numerics import _inspect  # pylint: disable=g-import-not-at-top
   if not isinstance(whatif, bool):
     raise ValueError(f"whatif={whatif!r}; accepted: True or False")
@@ -213,8 +220,8 @@ def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = Tr
     recorder_box.append(rec)
     return rec
 
-  policy, unvisited = _inspect._run(fn, recipe_or_policy, args, kwargs, on_tensor,
-                                    recorder=make)
+  policy, unvisited, outputs = _inspect._run(fn, recipe_or_policy, args, kwargs, on_tensor,
+                                             recorder=make)
   rec = recorder_box[0]
   order = {"lhs": 0, "rhs": 1, "out": 2}
   perm = sorted(range(len(infos)), key=lambda i: (infos[i].index, order[infos[i].operand]))
@@ -225,7 +232,7 @@ def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = Tr
   values = (jnp.stack([jnp.asarray(v, jnp.float32) for _, v in rec.monitors]) if keys
             else jnp.zeros((0,), jnp.float32))
   return TelemetryRecord(stats, values, [infos[i] for i in perm], fields, keys, policy,
-                         unvisited)
+                         unvisited), outputs
 
 
 # --------------------------------------------------------------------------- parameters

@@ -215,15 +215,21 @@ def _metrics(opt_state: Any, loss: jax.Array, fp8_saturated: jax.Array | None) -
 def _telemetry_record(vg, plan: Plan, args, grads_of, params, opt_state, tx, whatif):
   """The TelemetryRecord of one step: GEMM rows of `vg(*args)` under `plan` (none for
   fp8 recipes) and the parameter monitors of the update the step would make."""
+  grads = None
   if plan.recipe.fp8 is None:
-    rec = _telemetry.gemm_telemetry(vg, plan, *args, whatif=whatif)
+    rec, (_, out_grads) = _telemetry.telemetry_and_outputs(vg, plan, *args, whatif=whatif)
+    if plan.policy.output_dtype == np.dtype(np.float32):
+      # The gradients of the evaluation measured, widened to f32 by autocast's output
+      # cast (exact): narrowed back to the params' dtypes they are the step's own.
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), out_grads, params)
   else:
     fields = _telemetry._device_stats.FIELDS if whatif else \
         _telemetry._device_stats.BASE_FIELDS
     rec = _telemetry.TelemetryRecord(jnp.zeros((0, len(fields)), _F32),
                                      jnp.zeros((0,), _F32), (), fields, (),
                                      str(plan.policy))
-  grads = grads_of()
+  if grads is None:
+    grads = grads_of()
   updates, new_opt_state = tx.update(grads, opt_state, params)
   after = optim.apply_updates(params, updates)
   scale = optim.loss_scale_of(opt_state)
