@@ -427,3 +427,13 @@ def test_value_and_grad_telemetry_on_a_params_pytree():
   rows = record.report().rows
   assert rows and all(r.dtype in ("bfloat16", "float32") for r in rows)
   assert {r.direction for r in rows} == {"fwd", "bwd"}
+
+
+def test_scale_plot_png(tmp_path):
+  fn, args = _plain_case()
+  report = mp.numerics.inspect(fn, "f16_mixed", *args)
+  path = report.scale_plot(tmp_path / "scales.png")
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match="max_rows"):
+    report.scale_plot(tmp_path / "x.png", max_rows=0)

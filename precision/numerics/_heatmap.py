@@ -79,24 +79,40 @@ def scales(report, path: str | os.PathLike, max_rows: int = 60) -> str:
   rows = [r for r in report.rows if r.nonzero][:max_rows]
   fig = Figure(figsize=(9, 1.5 + 0.22 * max(len(rows), 2)), layout="constrained")
   ax = fig.subplots()
+  los = [np.log2(r.amin_nonzero) for r in rows] or [0.0]
+  his = [np.log2(r.amax) for r in rows] or [0.0]
+  # The axis spans the tensors and the 16- and 8-bit formats; bf16's range (f32's
+  # exponents) lies far outside it and is named in the legend instead.
+  left = min(min(los), np.log2(float(formats.info("f16").smallest_subnormal))) - 4
+  right = max(max(his), np.log2(float(formats.info("f16").max))) + 4
   for i, r in enumerate(rows):
-    lo, hi = np.log2(r.amin_nonzero), np.log2(r.amax)
     color = "black" if r.direction == "fwd" else "purple"
-    ax.plot([lo, hi], [i, i], color=color, lw=2.5, solid_capstyle="butt")
+    ax.plot([los[i], his[i]], [i, i], color=color, lw=2.5, solid_capstyle="butt",
+            marker="|", markersize=6)
+  notes = []
   for label, name, color in _RANGE_FORMATS:
     info = formats.info(name)
     for value, style in ((info.smallest_subnormal, ":"), (info.smallest_normal, "--"),
                          (info.max, "-")):
-      ax.axvline(np.log2(float(value)), color=color, ls=style, lw=1, alpha=0.8)
-    ax.text(np.log2(float(info.max)), len(rows) - 0.3, label, color=color, fontsize=8,
-            ha="right", va="bottom")
+      x = np.log2(float(value))
+      if left <= x <= right:
+        ax.axvline(x, color=color, ls=style, lw=1, alpha=0.8)
+    x = np.log2(float(info.max))
+    if left <= x <= right:
+      ax.text(x, len(rows) - 0.3, label, color=color, fontsize=8, ha="right", va="bottom")
+    else:
+      notes.append(f"{label}: 2^{np.log2(float(info.smallest_subnormal)):.0f} .. "
+                   f"2^{x:.0f}")
+  ax.set_xlim(left, right)
+  if notes:
+    ax.text(0.01, 0.99, "off the axis: " + "; ".join(notes), transform=ax.transAxes,
+            fontsize=7, va="top")
   ax.set_yticks(range(len(rows)), [f"{r.scope or '(root)'} {r.direction} {r.role}"
                                    for r in rows], fontsize=7)
   ax.invert_yaxis()
   ax.set_xlabel("log2 |value| (amin_nonzero .. amax)", fontsize=9)
-  ax.set_title(f"{report.name} under {report.policy}: tensor ranges against format ranges "
-               "(dotted: smallest subnormal, dashed: smallest normal, solid: max)",
-               fontsize=9)
+  ax.set_title(f"{report.name} under {report.policy}: tensor ranges against formats' "
+               "(dotted: min subnormal, dashed: min normal, solid: max)", fontsize=9)
   path = os.fspath(path)
   fig.savefig(path, dpi=100)
   return path
