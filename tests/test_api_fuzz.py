@@ -343,9 +343,25 @@ for v in BAD_POLICY_ARGS:
       lambda v=v: mp.flax.apply_recipe(tiny_model(), v))
   bad(f"apply_policy-policy-{short(v)}", "policy",
       lambda v=v: mp.flax.apply_policy(tiny_model(), v))
-for v, names in BAD_OVERRIDES + [({"nomatch*": "f32"}, "override")]:
+for v, names in BAD_OVERRIDES:
   bad(f"apply_recipe-overrides-{short(v)}", names,
       lambda v=v: mp.flax.apply_recipe(tiny_model(), "bf16_mixed", v))
+# A path pattern may name a jax.named_scope of the model's code, known only when it runs:
+# one that matches nothing is refused at the first call.
+bad("apply_recipe-overrides-nomatch-at-call", "override",
+    lambda: mp.flax.apply_recipe(tiny_model(), "bf16_mixed", {"nomatch*": "f32"})(
+        jnp.ones((2, 4), jnp.float32)))
+for first, second in (("p=bf16,c=bf16,o=f32", "p=f32,c=bf16,o=f32"),
+                      ("p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")):
+  bad(f"apply_policy-marked-{first}-then-{second}", "already marked",
+      lambda first=first, second=second: mp.flax.apply_policy(
+          mp.flax.apply_policy(tiny_model(), first), second))
+good("apply_policy-same-twice", lambda: mp.flax.apply_policy(
+    mp.flax.apply_policy(tiny_model(), "bf16_mixed"), "bf16_mixed"),
+     lambda m: m.kernel.get_value().dtype == F32)
+good("apply_policy-replace", lambda: mp.flax.apply_policy(
+    mp.flax.apply_policy(tiny_model(), "p=f32,c=bf16,o=f32"), "p=bf16,c=bf16,o=f32",
+    replace=True), lambda m: m.kernel.get_value().dtype == BF16)
 for v in BAD_BOOLS[:5]:
   bad(f"apply_recipe-replace-{short(v)}", "replace",
       lambda v=v: mp.flax.apply_recipe(tiny_model(), "bf16_mixed", replace=v))
@@ -404,6 +420,9 @@ for v in BAD_SEEDS:
     bad(f"fused_adamw-seed-{short(v)}", "seed", lambda v=v: optim.fused_adamw(1e-3, seed=v))
 for v in (None, "1e-3", True, [1e-3]):
   bad(f"fused_adamw-lr-{short(v)}", "learning_rate", lambda v=v: optim.fused_adamw(v))
+for v in (None, "x", [1.0, 2.0], 1.5):
+  bad(f"stochastic_round-x-{short(v)}", "x",
+      lambda v=v: mp.rounding.stochastic_round(v, "bf16", 0))
 for recipe in ("bf16_sr", "bf16_master", "fp32", "f16_mixed"):
   for v in BAD_SEEDS:
     bad(f"build_optimizer-{recipe}-seed-{short(v)}", "seed",

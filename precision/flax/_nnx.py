@@ -167,7 +167,7 @@ def scope_patterns(module: nnx.Module, spec: _api.AutocastSpec) -> tuple:
 
 def apply_policy(module: nnx.Module, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None, *,
-                 fp32_ops=None) -> nnx.Module:
+                 fp32_ops=None, replace: bool = False) -> nnx.Module:
   """Applies a precision Policy to an NNX model in place and returns it.
 
   Params (nnx.Param) are cast to `param_dtype`; each `module(...)` call then runs under
@@ -189,10 +189,14 @@ def apply_policy(module: nnx.Module, policy: Any,
       in the root's __call__); the deepest scope a rule matches decides, submodules
       inherit. E.g. {"*lm_head*": "f32"}.
     fp32_ops: op names kept in f32 (default precision.DEFAULT_FP32_OPS).
+    replace: replace the mark of a model already marked with another policy, overrides
+      or fp32 ops (as `apply_recipe`'s `replace`): without it such a model is refused,
+      the same mark again is a no-op.
   Returns:
     `module`.
   Raises:
-    ValueError: for a bad policy string or preset name, a bad override key or policy, a
+    ValueError: a model marked with another spec (without ``replace=True``);
+      for a bad policy string or preset name, a bad override key or policy, a
       module type that matches no module, an fp8 compute dtype or an fp8 recipe (use
       `apply_recipe`); at a call, for a pattern that matches neither a module path nor a
       `jax.named_scope` of the call.
@@ -203,8 +207,17 @@ def apply_policy(module: nnx.Module, policy: Any,
   """
   if not isinstance(module, nnx.Module):
     raise ValueError(f"apply_policy expects an nnx.Module, got {type(module).__name__}")
+  if not isinstance(replace, bool):
+    raise ValueError(f"apply_policy replace={replace!r}; accepted: True or False")
   _api.refuse_fp8_recipe(policy, "apply_policy")
   spec = _api.AutocastSpec.make(policy, overrides, fp32_ops, module_base=nnx.Module)
+  old = spec_of(module)
+  if old is not None and old != spec and not replace:
+    raise ValueError(
+        f"apply_policy: the model is already marked with {old.describe()}, not "
+        f"{spec.describe()}: its params were cast to {old.policy.param_dtype.name} by that "
+        "mark; accepted: the same policy again (a no-op), replace=True (the new mark, "
+        "params cast again; rounded values stay rounded) or a model built again")
   return mark(module, spec)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from precision.rounding import _pallas
 from precision.rounding._pallas import stochastic_round_pallas
@@ -58,6 +59,9 @@ def stochastic_round(x: jax.Array, dtype: Any, key, step=0, *, impl: str = "auto
     >>> x = jnp.linspace(0.0, 1.0, 10, dtype=jnp.float32)
     >>> tail = stochastic_round(x[6:], jnp.bfloat16, key=0, index_offset=6)  # == full[6:]
   """
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    raise ValueError(f"stochastic_round: x={x!r} (a {type(x).__name__}); accepted: a float32 "
+                     "array (bfloat16 for fp8 targets)")
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r}; accepted: {', '.join(IMPLS)}")
   interpret = _pallas.check_interpret(interpret)
