@@ -437,3 +437,37 @@ def test_scale_plot_png(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   with pytest.raises(ValueError, match="max_rows"):
     report.scale_plot(tmp_path / "x.png", max_rows=0)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_data_parallel_telemetry_is_one_shards_inspect(stage):
+  """DataParallel.telemetry: the rows of inspect on the first device's slice of the batch
+  with the full params and the loss scaled as the step scales it (ZeRO-3 gathers)."""
+  from jax.sharding import Mesh
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+
+  def loss_fn(p, b):
+    return 1e-6 * jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+  rng = np.random.default_rng(0)
+  params = {"w1": rng.standard_normal((8, 16)).astype(np.float32),
+            "w2": rng.standard_normal((16, 4)).astype(np.float32)}
+  n = len(jax.devices())
+  batch = {"x": rng.standard_normal((4 * n, 8)).astype(np.float32),
+           "y": np.zeros((4 * n, 4), np.float32)}
+  dp = mp.parallel.data_parallel(loss_fn, optax.adam(1e-3), mesh, zero_stage=stage,
+                                 recipe="f16_mixed")
+  state = dp.init(params)
+  got = dp.telemetry(state, batch).report()
+  scale = float(mp.optim.loss_scale_of(state.opt_state))
+  ref = mp.numerics.inspect(jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale),
+                            "f16_mixed", params, {k: v[:4] for k, v in batch.items()})
+  key = lambda r: (r.index, r.direction, r.role, r.shape, r.dtype)
+  assert [key(r) for r in got.rows] == [key(r) for r in ref.rows]
+  for a, b in zip(ref.rows, got.rows):
+    for f in FRACTIONS:
+      assert abs(getattr(a, f) - getattr(b, f)) <= 0.01, (a.index, a.role, f)
+  state, _ = dp.step(state, batch)   # the state is the step's to donate, untouched
+  no_recipe = mp.parallel.data_parallel(loss_fn, optax.adam(1e-3), mesh)
+  with pytest.raises(ValueError, match="no recipe"):
+    no_recipe.telemetry(no_recipe.init(params), batch)

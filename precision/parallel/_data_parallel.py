@@ -130,6 +130,8 @@ class DataParallel:
       `precision.optim.optimizer_metrics` when a recipe is given; replicated scalars.
     state_for_checkpoint / state_from_checkpoint: to and from the full form a checkpoint
       holds (full-shape params; see their docstrings), which any device count resumes.
+    telemetry: `telemetry(state, batch) -> precision.numerics.TelemetryRecord`, the
+      numerics of one device's share of the step (see its docstring).
 
   Examples:
     >>> state = dp.init(params)
@@ -144,6 +146,7 @@ class DataParallel:
     self.zero_stage, self.axis_name = cfg.zero_stage, cfg.axis_name
     self._step = jax.jit(self._local_step, donate_argnums=(0,) if donate else ())
     self._gather = jax.jit(self._full_params)
+    self._telemetry = None   # jitted on first use
 
   # ---- state -----------------------------------------------------------------------
   def _specs(self, layout: ParamLayout):
@@ -278,6 +281,47 @@ class DataParallel:
     sharding = NamedSharding(self.mesh, P(self.axis_name))
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)
+
+  # ---- numerics ---------------------------------------------------------------------
+  def telemetry(self, state: TrainState, batch, *, whatif: bool = True):
+    """The numerics of one device's share of the step `step(state, batch)` would take:
+    `precision.numerics.gemm_telemetry` of the loss (times the optimizer's loss scale, as
+    the step scales it) and its gradient on the first device's slice of the global batch,
+    with the full params, under the recipe's spec: every GEMM operand, cotangent and
+    result of that forward and backward pass and the logit monitors. Its own compiled
+    program (`state` is not donated or changed): call it every N steps beside `step`.
+    The rows are one shard's; the other devices' slices are alike in distribution, not
+    in value. Needs a recipe; not with fp8_state=True.
+
+    Returns:
+      A `precision.numerics.TelemetryRecord`.
+    """
+    if self.cfg.autocast is None:
+      raise ValueError("telemetry: this DataParallel has no recipe; accepted: one built "
+                       "with data_parallel(..., recipe=...)")
+    if self.cfg.fp8_state:
+      raise ValueError("telemetry with fp8_state=True: fp8 GEMMs' scaled operands are not "
+                       "replayed; accepted: a recipe without fp8")
+    if not isinstance(whatif, bool):
+      raise ValueError(f"telemetry: whatif={whatif!r}; accepted: True or False")
+    if self._telemetry is None:
+      self._telemetry = jax.jit(self._local_telemetry, static_argnums=(2,))
+    state = self._check_state(state)
+    return self._telemetry(state, self._global_batch(batch), whatif)
+
+  def _local_telemetry(self, state: TrainState, batch, whatif: bool):
+    from precision import optim  # pylint: disable=g-import-not-at-top
+    from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
+    params = self._full_params(state)
+    n = self.cfg.devices
+    shard = jax.tree.map(lambda x: x[: x.shape[0] // n], batch)
+    scale = optim.loss_scale_of(state.opt_state).astype(jnp.float32)
+    loss_fn = self.cfg.loss_fn
+
+    def grads(p, b):
+      return jax.value_and_grad(lambda q: loss_fn(q, b).astype(jnp.float32) * scale)(p)
+
+    return _telemetry.gemm_telemetry(grads, self.cfg.autocast, params, shard, whatif=whatif)
 
   # ---- checkpoints -----------------------------------------------------------------
   def state_for_checkpoint(self, state: TrainState, *, rng: Any = None) -> TrainState:
