@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -53,7 +54,8 @@ def good(what: str, call: Callable[[], Any], check: Callable[[Any], bool]):
 
 
 def short(v: Any) -> str:
-  return repr(v).replace(" ", "")[:24]
+  # No memory addresses: pytest-xdist workers must collect the same test ids.
+  return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(v)).replace(" ", "")[:24]
 
 
 class Lazy:
