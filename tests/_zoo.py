@@ -12,7 +12,8 @@ bf16 around jax.nn.dot_product_attention, a Flax NNX model configured `dtype=bfl
 split/merge/jax.grad, and a Linen model called with `train=`/`deterministic` keywords;
 Flax's ImageNet ResNet (`BatchNorm(axis_name="batch")`) trained under shard_map over 8
 devices and evaluated with `train=False` outside it.
-An NNX scan-over-layers model (`nnx.vmap` to create the blocks, `nnx.scan` to apply them).
+An NNX scan-over-layers model (`nnx.vmap` to create the blocks, `nnx.scan` to apply them)
+and Linen's (`nn.scan` of an `nn.remat`'d block).
 Where Haiku and Equinox are installed (they are not dependencies): Haiku's transformer,
 a Haiku `transform_with_state` model, and an Equinox model with `eqx.nn.State`.
 
@@ -324,6 +325,29 @@ class LinenImageNetResNet(nn.Module):
     x = _ImageNetBlock(8, norm)(x)
     x = _ImageNetBlock(16, norm, strides=(2, 2))(x)
     return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+
+class _LinenScanBlock(nn.Module):
+  """One pre-norm residual block, in nn.scan's (carry, x) -> (carry, y) form."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.gelu(nn.Dense(x.shape[-1])(nn.LayerNorm()(x))), None
+
+
+class LinenScanOverLayers(nn.Module):
+  """Linen's scan over layers (MaxText's layout): the blocks one `nn.scan` of an
+  `nn.remat`'d block, params stacked on a leading layer axis
+  (variable_axes={"params": 0}, split_rngs={"params": True}), a Dense in and out."""
+  n_layers: int = 3
+  d: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(nn.remat(_LinenScanBlock), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=self.n_layers)
+    x, _ = blocks(name="blocks")(nn.Dense(self.d)(x), None)
+    return nn.Dense(4)(x)
 
 
 # ----------------------------------------------------------------------------- plain JAX
