@@ -9,8 +9,11 @@ lax.scan over layers and jax.checkpoint, a model under an explicit-sharding mesh
 `out_sharding=` annotations; and code that chose dtypes of its own: a function casting to
 bf16 around jax.nn.dot_product_attention, a Flax NNX model configured `dtype=bfloat16`
 (Flax's way of asking for mixed precision), an NNX model with Dropout trained through
-split/merge/jax.grad, and a Linen model called with `train=`/`deterministic` keywords.
-An NNX scan-over-layers model (`nnx.vmap` to create the blocks, `nnx.scan` to apply them).
+split/merge/jax.grad, and a Linen model called with `train=`/`deterministic` keywords;
+Flax's ImageNet ResNet (`BatchNorm(axis_name="batch")`) trained under shard_map over 8
+devices and evaluated with `train=False` outside it.
+An NNX scan-over-layers model (`nnx.vmap` to create the blocks, `nnx.scan` to apply them)
+and Linen's (`nn.scan` of an `nn.remat`'d block).
 Where Haiku and Equinox are installed (they are not dependencies): Haiku's transformer,
 a Haiku `transform_with_state` model, and an Equinox model with `eqx.nn.State`.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -53,6 +57,8 @@ class Built:
   loss: Callable[[Any], tuple[jax.Array, Any]]   # params -> (loss, new state or None)
   params: Any
   context: Callable[[], Any] = user_code  # entered around tracing
+  # (params, state) -> outputs of the model in evaluation mode, where a case has one.
+  evaluate: Callable[[Any, Any], jax.Array] | None = None
 
 
 def _tokens(seed=1, batch=B):
@@ -281,6 +287,67 @@ class _LinenDropoutBlock(nn.Module):
   def __call__(self, x, deterministic: bool):
     h = nn.Dropout(0.25)(nn.gelu(nn.Dense(32)(x)), deterministic=deterministic)
     return x + nn.LayerNorm()(h)
+
+
+class _ImageNetBlock(nn.Module):
+  """Flax ImageNet's ResNetBlock: conv-norm-relu-conv-norm (the last norm's scale
+  initialised to zero), a 1x1 projection shortcut with its own norm where the shape
+  changes."""
+  filters: int
+  norm: Callable
+  strides: tuple[int, int] = (1, 1)
+
+  @nn.compact
+  def __call__(self, x):
+    conv = functools.partial(nn.Conv, use_bias=False)
+    y = nn.relu(self.norm()(conv(self.filters, (3, 3), self.strides)(x)))
+    y = self.norm(scale_init=nn.initializers.zeros_init())(conv(self.filters, (3, 3))(y))
+    if x.shape != y.shape:
+      x = self.norm(name="norm_proj")(
+          conv(self.filters, (1, 1), self.strides, name="conv_proj")(x))
+    return nn.relu(x + y)
+
+
+class LinenImageNetResNet(nn.Module):
+  """Flax's ImageNet ResNet, small: `__call__(x, train=True)`, every BatchNorm
+  `partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
+  axis_name="batch")` (statistics averaged over the devices the batch is split across), a
+  strided stem with max pooling, two stages, mean pooling, Dense head."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                             epsilon=1e-5, axis_name="batch")
+    x = nn.Conv(8, (3, 3), (2, 2), padding=[(1, 1), (1, 1)], use_bias=False,
+                name="conv_init")(x)
+    x = nn.relu(norm(name="bn_init")(x))
+    x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+    x = _ImageNetBlock(8, norm)(x)
+    x = _ImageNetBlock(16, norm, strides=(2, 2))(x)
+    return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+
+class _LinenScanBlock(nn.Module):
+  """One pre-norm residual block, in nn.scan's (carry, x) -> (carry, y) form."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.gelu(nn.Dense(x.shape[-1])(nn.LayerNorm()(x))), None
+
+
+class LinenScanOverLayers(nn.Module):
+  """Linen's scan over layers (MaxText's layout): the blocks one `nn.scan` of an
+  `nn.remat`'d block, params stacked on a leading layer axis
+  (variable_axes={"params": 0}, split_rngs={"params": True}), a Dense in and out."""
+  n_layers: int = 3
+  d: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(nn.remat(_LinenScanBlock), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=self.n_layers)
+    x, _ = blocks(name="blocks")(nn.Dense(self.d)(x), None)
+    return nn.Dense(4)(x)
 
 
 # ----------------------------------------------------------------------------- plain JAX
@@ -513,6 +580,41 @@ def sharded_lm(recipe):
     return _xent(m(tokens[:, :-1]).astype(jnp.float32), tokens[:, 1:]), None
 
   return Built(loss, params, context)
+
+
+def imagenet_resnet(recipe):
+  """LinenImageNetResNet run the way Flax's ImageNet example runs it, with shard_map over
+  8 devices in place of pmap: a jitted `init(..., train=False)` outside (no "batch" axis
+  there), each device's loss on its 2 examples pmean'd over "batch" and the BatchNorm
+  statistics averaged across devices; `evaluate` is `apply(v, x, train=False)` outside,
+  with the running statistics."""
+  mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:8])
+  spec = jax.sharding.PartitionSpec
+  x = jax.random.normal(jax.random.key(21), (16, 8, 8, 3))
+  labels = jax.random.randint(jax.random.key(22), (16,), 0, 10)
+  model = LinenImageNetResNet()
+  with user_code(_linen_context(recipe)):  # jitted, as the example's `initialized` does
+    variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0), x[:2])
+  params, batch_stats = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+  def per_device(params, state, x, labels):
+    with _linen_context(recipe):
+      logits, new = model.apply({"params": params, **state}, x, mutable=["batch_stats"])
+    return jax.lax.pmean(_xent(logits, labels), "batch"), new
+
+  step = jax.shard_map(per_device, mesh=mesh,
+                       in_specs=(spec(), spec(), spec("batch"), spec("batch")),
+                       out_specs=(spec(), spec()))
+
+  def evaluate(params, state):
+    with _linen_context(recipe):
+      return model.apply({"params": params, **state}, x, train=False)
+
+  return Built(lambda p: step(p, batch_stats, x, labels), params, evaluate=evaluate)
+
+
+CASES["imagenet_resnet_batch_axis_linen"] = imagenet_resnet
 
 
 # ----------------------------------------------------------------------------- Haiku, Equinox

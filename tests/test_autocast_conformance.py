@@ -342,3 +342,64 @@ def test_fp8_on_nnx_scan_over_layers_has_the_layer_axis_and_trains():
   assert history.shape[0] == n and np.all(history.max(axis=1) > 0)
   assert len({float(h) for h in history.max(axis=1)}) == n   # one state per layer
   assert np.all(np.asarray(dot.grad_scale[...]) != 1.0)       # the gradient state moved
+
+
+@pytest.mark.slow
+def test_fp8_on_linen_nn_scan_over_layers_has_the_layer_axis_and_trains():
+  """A Linen model whose blocks are an `nn.scan` (of an `nn.remat`'d block) under
+  "fp8_hybrid" through `autocast_value_and_grad` with explicit state: the scanned GEMM is
+  one site whose delayed-scaling state has the layer axis (one amax history per layer),
+  its forward and both backward GEMMs lower to fp8 inside the scan, the model trains
+  (finite, falling loss), and layer 0's newest lhs amax is the max |input| of that
+  layer's GEMM (a bf16_mixed reference: everything before it runs in the compute dtype)."""
+  import optax  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  n = 3
+  model = _zoo.LinenScanOverLayers(n)
+  x = jax.random.normal(jax.random.key(10), (32, 8))
+  y = jax.random.normal(jax.random.key(11), (32, 4))
+  with _user():
+    params = model.init(jax.random.key(0), x)["params"]
+  assert params["blocks"]["Dense_0"]["kernel"].shape == (n, 16, 16)
+
+  def loss(params, x, y):
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+  with _user():
+    sites = mp.fp8.autocast_gemms(loss, "fp8_hybrid", params, x, y)
+    state = mp.fp8.init_state(loss, "fp8_hybrid", params, x, y)
+  assert [s.fp8 for s in sites] == [False, True, False]  # first and last kept in bf16
+  key = sites[1].key
+  assert sorted(state) == [key] and "blocks/Dense_0" in key
+  assert {a.shape[0] for a in jax.tree.leaves(state)} == {n}  # the layer axis
+  vg = mp.fp8.autocast_value_and_grad(loss, "fp8_hybrid")
+  with _user():
+    prog = lower(vg, state, params, x, y, platform="cuda")
+  scanned = sorted(g.signature() for g in prog.gemms if "blocks/Dense_0" in g.name)
+  assert scanned == [("e4m3", "e4m3", "f32")] * 2 + [("e5m2", "e4m3", "f32")] * 2, scanned
+
+  # Layer 0's input: Dense in (bf16 x bf16 -> f32, rounded to bf16) then the LayerNorm.
+  def layer0_input(params, x):
+    h = nn.Dense(16).apply({"params": params["Dense_0"]}, x)
+    ln = jax.tree.map(lambda a: a[0], params["blocks"]["LayerNorm_0"])
+    return nn.LayerNorm().apply({"params": ln}, h)
+
+  with _user():
+    want = float(jnp.max(jnp.abs(mp.autocast(layer0_input, "bf16_mixed")(params, x))))
+  step, opt = jax.jit(vg), optax.adam(1e-2)
+  opt_state, losses, amax0 = opt.init(params), [], None
+  with _user():
+    for _ in range(10):
+      value, grads, state = step(state, params, x, y)
+      amax0 = float(state[key].lhs.amax_history[0, 0]) if amax0 is None else amax0
+      updates, opt_state = opt.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      losses.append(float(value))
+  assert amax0 == want, (amax0, want)  # the same ops on the same values: exact
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
+  for op in ("lhs", "rhs", "grad"):
+    newest = np.asarray(getattr(state[key], op).amax_history[:, 0])
+    assert np.all(newest > 0) and len(set(newest.tolist())) == n, (op, newest)
+    # Ten steps recorded in each layer's history, nothing before them.
+    filled = np.asarray(getattr(state[key], op).amax_history) > 0
+    assert np.all(filled.sum(axis=1) == 10), (op, filled.sum(axis=1))

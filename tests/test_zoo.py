@@ -13,12 +13,16 @@ recipe applied from outside in one line:
     the backward pass included) compute in f32 even where the model cast to bf16 itself,
     `check(policy)` passes on the differentiated program, and the loss is within 1e-2
     (relative) of fp32.
+Models with an evaluation mode (Flax's ImageNet ResNet, trained under shard_map with
+`BatchNorm(axis_name="batch")`): `apply(v, x, train=False)` reaches the model and reads
+the running statistics, fp32 bit for bit, below f32 with compute x compute -> f32 GEMMs.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import precision as mp
@@ -49,9 +53,13 @@ def value_and_grads(name, recipe):
 
 
 # Cases whose compilations take over ~5 s in a test: run with -m slow.
-SLOW_FP32 = {"bf16_configured_nnx", "train_keywords_linen", "transformer_haiku"}
-SLOW_F32_OPS = {"train_keywords_linen", "transformer_haiku"}
-SLOW_LOWERING = {"transformer_haiku"}
+SLOW_FP32 = {"bf16_configured_nnx", "train_keywords_linen", "transformer_haiku",
+             "imagenet_resnet_batch_axis_linen"}
+SLOW_F32_OPS = {"train_keywords_linen", "transformer_haiku", "imagenet_resnet_batch_axis_linen"}
+SLOW_LOWERING = {"transformer_haiku", "imagenet_resnet_batch_axis_linen"}
+# Cases run under shard_map: its body is lowered without the enclosing name stack, so the
+# lowering has no "transpose(" to tell backward GEMMs by.
+BODY_WITHOUT_NAME_STACK = {"imagenet_resnet_batch_axis_linen"}
 
 
 def _cases(slow=frozenset()):
@@ -80,8 +88,14 @@ def test_every_gemm_forward_and_backward_is_compute_f32_on_cuda(name, recipe):
   assert not wrong, (f"{len(wrong)} of {len(gemms)} GEMMs are not {compute} x {compute} "
                      f"-> f32: {wrong}")
   prog.check(recipe)
-  # Forward and backward GEMMs both there (the lowering keeps JAX's name stacks).
-  assert prog.gemm_signatures("fwd") and prog.gemm_signatures("bwd")
+  if name in BODY_WITHOUT_NAME_STACK:
+    # The backward GEMMs are those the differentiated program has beyond the forward's.
+    with b.context():
+      forward = lower(lambda p: b.loss(p)[0], b.params, platform="cuda").gemms
+    assert len(gemms) > len(forward), (len(gemms), len(forward))
+  else:
+    # Forward and backward GEMMs both there (the lowering keeps JAX's name stacks).
+    assert prog.gemm_signatures("fwd") and prog.gemm_signatures("bwd")
 
 
 @pytest.mark.parametrize("name", _cases(SLOW_F32_OPS))
@@ -119,3 +133,36 @@ def test_lowered_gemm_reader_sees_a_wrong_policy():
   # Under the policy: forward and both backward GEMMs.
   f = mp.autocast(lambda x, w: jnp.sum(x @ w), MIXED)
   assert lowered_gemms(jax.value_and_grad(f, (0, 1)), x, w) == [("dot_general", "bf16", "bf16", "f32")] * 3
+
+
+# Cases with an evaluation mode (Built.evaluate); each builds the plain model too (slow).
+EVALUATED = [n for n in _zoo.CASES if n.endswith("_batch_axis_linen")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["fp32", "bf16_mixed", "f16_mixed"])
+@pytest.mark.parametrize("name", EVALUATED)
+def test_evaluation_mode_reaches_the_model_and_reads_running_statistics(name, recipe):
+  """`apply(v, x, train=False)` outside the batch axis: only the keyword makes BatchNorm
+  read its running statistics instead of averaging over an axis that is not bound there.
+  fp32 is the plain model bit for bit; below f32 the evaluation's GEMMs are compute x
+  compute -> f32 and its outputs near the plain model's."""
+  plain, lib = built(name, None), built(name, recipe)
+  state, plain_state = value_and_grads(name, recipe)[1], value_and_grads(name, None)[1]
+  with lib.context():
+    got = jax.jit(lib.evaluate)(lib.params, state)
+    fresh = jax.jit(lib.evaluate)(lib.params, jax.tree_util.tree_map_with_path(
+        lambda p, a: (jnp.zeros_like if p[-1].key == "mean" else jnp.ones_like)(a), state))
+  with plain.context():
+    ref = jax.jit(plain.evaluate)(plain.params, plain_state)
+  assert got.dtype == ref.dtype == jnp.float32
+  # It reads the statistics of one training step, not those of init (mean 0, var 1).
+  assert not np.array_equal(np.asarray(got), np.asarray(fresh))
+  if recipe == "fp32":
+    assert_bit_identical(got, ref, "evaluation outputs")
+    return
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0.1, atol=0.05)
+  compute = {"bf16_mixed": "bf16", "f16_mixed": "f16"}[recipe]
+  with lib.context():
+    gemms = lowered_gemms(lib.evaluate, lib.params, state)
+  assert gemms and all(g[1:] == (compute, compute, "f32") for g in gemms), gemms
