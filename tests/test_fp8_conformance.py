@@ -67,7 +67,8 @@ def _haiku():
   with _zoo.user_code():
     params = f.init(jax.random.key(0), tokens[:, :-1])
   loss = lambda p, tokens: _zoo._xent(f.apply(p, tokens[:, :-1]), tokens[:, 1:])
-  return Case(loss, params, (tokens,), 0.5, data_first=False)  # embeddings first
+  # The first GEMM reads the embeddings (differentiated): it has a dgrad too.
+  return Case(loss, params, (tokens,), 0.2, data_first=False)
 
 
 def _equinox():
@@ -295,7 +296,8 @@ def test_cuda_lowering_has_the_recipe_formats_forward_and_backward(model, recipe
     fmt, grad = ELEMENT[r.fp8.forward_format], ELEMENT[r.fp8.backward_format]
     scale = SCALE[r.fp8.scaling]
     dots = _micro_dots(prog, f"{r.fp8.scaling}_gemm")
-    assert len(dots) >= 3 * sum(s.fp8 for s in sites) - len(sites), dots
+    # One forward and two backward GEMMs per selected site, and remat's recomputations.
+    assert len(dots) == 3 * sum(s.fp8 for s in sites) + len(recomputed), len(dots)
     for line, lhs, rhs in dots:
       for srcs in (lhs, rhs):   # dequantised from the element and the scale format
         narrow = {t for t in srcs if t.startswith(("f8", "f4"))}
