@@ -302,13 +302,49 @@ def _check_state(state: Any, keys: list[str], spec, stacks: Mapping[str, tuple])
             "recipe's amax_history_len for delayed scaling, else 1)")
 
 
+def _non_float_gemms(jaxpr, out: list, seen: set) -> list:
+  """"lhs x rhs -> out" dtypes of every dot_general of `jaxpr` (sub-jaxprs included) with
+  an operand that is not a float."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      dts = [R.as_dtype(v.aval.dtype) for v in eqn.invars[:2]]
+      if not all(R.is_float(d) for d in dts):
+        out.append(f"{dts[0].name} x {dts[1].name} -> "
+                   f"{R.as_dtype(eqn.outvars[0].aval.dtype).name}")
+    for value in eqn.params.values():
+      for v in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(v, "jaxpr", v)
+        if hasattr(inner, "eqns") and id(inner) not in seen:
+          seen.add(id(inner))
+          _non_float_gemms(inner, out, seen)
+  return out
+
+
+def _refuse_integer_gemms(jaxpr, config) -> None:
+  """An fp8 recipe on a function whose GEMMs all have non-float operands (int8 GEMMs of
+  quantised inference, say) would quantise nothing: refused, as a recipe that cannot
+  apply. (A function without any GEMM passes: there is nothing to refuse.)"""
+  found = _non_float_gemms(jaxpr, [], set())
+  if found:
+    shown = ", ".join(sorted(set(found))[:4])
+    raise ValueError(
+        f"fp8.scaling={config.scaling!r}: the recipe's fp8 GEMMs need floating operands, "
+        f"but no GEMM of this function has them ({len(found)} dot_general(s) {shown}); "
+        "fp8 quantises float operands and cannot apply to integer GEMMs. Accepted: a "
+        "function with float GEMMs, or a recipe without fp8 (Recipe.fp8=None, e.g. "
+        "'bf16_mixed') to run the integer GEMMs as written")
+
+
 def prepare(env, jaxpr, config, stateful: bool, state: Any, check_state: bool = True
             ) -> tuple[Fp8Run, list[Decision]]:
   """The Fp8Run for evaluating `jaxpr` under `config`; a stateful run's `state` is checked
   against the sites chosen (unless `check_state` is False: choosing sites only)."""
   from precision.fp8._dot import Fp8Spec  # pylint: disable=g-import-not-at-top
   spec = Fp8Spec.from_config(config)
-  decisions = decide(env, find_sites(env, jaxpr), config, stateful)
+  sites = find_sites(env, jaxpr)
+  if not sites:
+    _refuse_integer_gemms(jaxpr, config)
+  decisions = decide(env, sites, config, stateful)
   selected = {d.site.path: d.site.key for d in decisions if d.fp8}
   stacks = {d.site.key: d.site.stack for d in decisions if d.fp8}
   if stateful and check_state:

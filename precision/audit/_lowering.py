@@ -36,6 +36,8 @@ from precision._recipe import MICRO_SCALINGS, Recipe
 from precision.audit._report import PrecisionViolation
 
 _F32 = np.dtype(np.float32)
+# The name JAX gives the forward computation remat re-runs in the backward pass.
+_RECOMPUTED = "rematted_computation"
 
 # StableHLO element type -> NumPy dtype.
 _ELEMENT_TYPES: dict[str, np.dtype] = {
@@ -70,6 +72,12 @@ _CUSTOM_CALL_GENERIC = re.compile(r'"stablehlo\.custom_call".*call_target_name\s
 _LOC_ALIAS = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$", re.M)
 _NAME_LOC = re.compile(r'^"((?:[^"\\]|\\.)*)"')
 _CALLSITE = re.compile(r"^callsite\((#loc\d*|.*?) at ")
+_SYMBOL = r'@("(?:[^"\\]|\\.)*"|[\w$.\-]+)'   # @name or @"<lambda>"
+_FUNC = re.compile(r"^\s*func\.func\s+(public|private)\s+" + _SYMBOL + r"\(")
+# A call of a function of the module (`func.call @f(...)` / `call @f(...)`), not a
+# `stablehlo.custom_call @target`.
+_CALL = re.compile(r"(?<![\w.])(?:func\.)?call\s+" + _SYMBOL + r"\(")
+_TRAILING_LOC = re.compile(r"\bloc\((.*)\)\s*$")
 
 
 class LoweredGemm(NamedTuple):
@@ -97,9 +105,14 @@ class LoweredGemm(NamedTuple):
   @property
   def direction(self) -> str:
     """"bwd" for a GEMM JAX emitted while transposing (the backward pass: its name stack
-    holds "transpose("), else "fwd". Needs the module's locations (`jax.export` and
-    `lower` keep them); without a name every GEMM reads as "fwd"."""
-    return "bwd" if "transpose(" in self.name else "fwd"
+    holds "transpose("), else "fwd"; a forward GEMM that remat (`jax.checkpoint`)
+    recomputes in the backward pass ("rematted_computation" in its name) is "fwd": it
+    computes what the forward GEMM did, on the same operands. Needs the module's
+    locations (`jax.export` and `lower` keep them); without a name every GEMM reads as
+    "fwd"."""
+    if "transpose(" not in self.name or _RECOMPUTED in self.name:
+      return "fwd"
+    return "bwd"
 
   @property
   def is_fp8(self) -> bool:
@@ -175,6 +188,55 @@ def stablehlo_text(module: Any) -> str:
                    f"got {type(module).__name__}")
 
 
+def _op_name(loc: str | None, names: dict[str, str]) -> str:
+  """The JAX name stack an op's trailing `loc(...)` records ("" when none)."""
+  if not loc:
+    return ""
+  loc = loc.strip()
+  name = names.get(loc.split()[0], "") if loc.startswith("#loc") else ""
+  if not name:
+    nm = _NAME_LOC.match(loc)
+    name = nm.group(1) if nm else ""
+  return name
+
+
+def _call_contexts(text: str, names: dict[str, str]) -> tuple[list[tuple[str, str]],
+                                                               dict[str, list[str]]]:
+  """(the module's lines, each with the function it sits in; {function: the name stacks
+  of the call sites it is reached through, from the public entry point}).
+
+  JAX outlines jitted sub-functions (a `jax.jit` or `closed_call` inside the traced
+  program, the body of a scan under autocast) as private functions; the names of their
+  ops are relative to the function, so the name of the call op that reaches them (say
+  "jit(step)/transpose(jvp(while))/body/closed_call") is their context: whether they run
+  in the forward or the backward pass. A function reached through several call sites
+  has one context per call site (the forward and the backward pass may call one cached
+  function)."""
+  lines, calls = [], collections.defaultdict(list)
+  func, public = "", []
+  for line in text.splitlines():
+    m = _FUNC.match(line)
+    if m:
+      func = m.group(2)
+      if m.group(1) == "public":
+        public.append(func)
+    lines.append((func, line))
+    for callee in _CALL.findall(line):
+      loc = _TRAILING_LOC.search(line)
+      calls[func].append((callee, _op_name(loc.group(1) if loc else None, names)))
+  contexts: dict[str, list[str]] = {f: [""] for f in public}
+  todo = list(public)
+  while todo:  # JAX's modules have no recursion; the guard bounds a pathological text
+    f = todo.pop()
+    for callee, name in calls.get(f, ()):
+      if callee == f or len(contexts.get(callee, ())) > 4096:
+        continue
+      contexts.setdefault(callee, []).extend(
+          "/".join(p for p in (ctx, name) if p) for ctx in contexts[f])
+      todo.append(callee)
+  return lines, contexts
+
+
 def lowered_gemms(module: Any) -> tuple[LoweredGemm, ...]:
   """Every dot_general and convolution of a lowered module, in program order.
 
@@ -182,8 +244,11 @@ def lowered_gemms(module: Any) -> tuple[LoweredGemm, ...]:
     module: StableHLO text, a `jax.export.Exported` or a `jax.stages.Lowered`.
 
   Returns:
-    One `LoweredGemm` per op occurrence in the text (an op inside a called function is
-    listed once however often it is called).
+    One `LoweredGemm` per op occurrence in the text and call site: an op inside a private
+    function (a jitted sub-function JAX outlined) is listed once for each call site that
+    reaches it from the entry point, its name prefixed with the call site's name, so that
+    its direction is that of the pass calling it (a function called once from a loop body
+    is listed once however often the loop runs).
 
   Raises:
     ValueError: a GEMM line whose types cannot be read (the message quotes it), or a
@@ -195,8 +260,9 @@ def lowered_gemms(module: Any) -> tuple[LoweredGemm, ...]:
   """
   text = stablehlo_text(module)
   names = _loc_names(text)
+  lines, contexts = _call_contexts(text, names)
   out = []
-  for line in text.splitlines():
+  for func, line in lines:
     if "stablehlo.dot_general" not in line and "stablehlo.convolution" not in line:
       continue
     m = _GEMM.search(line)
@@ -204,14 +270,10 @@ def lowered_gemms(module: Any) -> tuple[LoweredGemm, ...]:
       raise ValueError(f"Cannot read the operand/result types of this GEMM: {line.strip()}")
     op, lhs, rhs, res, loc = m.groups()
     (lt, ls), (rt, rs), (ot, os_) = _tensor(lhs), _tensor(rhs), _tensor(res)
-    name = ""
-    if loc:
-      loc = loc.strip()
-      name = names.get(loc.split()[0], "") if loc.startswith("#loc") else ""
-      if not name:
-        nm = _NAME_LOC.match(loc)
-        name = nm.group(1) if nm else ""
-    out.append(LoweredGemm(op, lt, rt, ot, f"{ls} x {rs} -> {os_}", name))
+    name = _op_name(loc, names)
+    for ctx in contexts.get(func, [""]):
+      out.append(LoweredGemm(op, lt, rt, ot, f"{ls} x {rs} -> {os_}",
+                             "/".join(p for p in (ctx, name) if p)))
   return tuple(out)
 
 
