@@ -134,6 +134,7 @@ def single_bound(n):
   return math.ceil(math.log2(n)) + 3
 
 
+@pytest.mark.slow
 def test_underflowing_backward_cotangent_is_found(tmp_path):
   loss = make_loss(tiny_grad=("l0",))
   run = original_run(tmp_path, loss, F16_NO_SCALE)
@@ -180,6 +181,7 @@ def test_overflowing_activation_is_found(tmp_path, layer, kinds):
   assert "overflow" in str(result)
 
 
+@pytest.mark.slow
 def test_two_layers_needed_no_false_culprit(tmp_path):
   recipe = mp.get_recipe("f16_mixed")
   loss = make_loss(big=("l1", "l3"))

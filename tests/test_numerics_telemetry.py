@@ -167,7 +167,8 @@ def test_device_statistics_of_captured_tensors_equal_numpy(kind):
     _agree(_stats.tensor_stats(c.value, c.dtype), g, f"{kind} {c.info.index} {c.info.role}")
 
 
-@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("kind", [pytest.param("linen", marks=pytest.mark.slow), "nnx",
+                                  pytest.param("plain", marks=pytest.mark.slow)])
 def test_traced_rows_are_inspects_rows_forward_and_backward(kind):
   fn, args = CASES[kind]()
   ref = mp.numerics.inspect(fn, "f16_mixed", *args)

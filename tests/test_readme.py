@@ -42,6 +42,8 @@ def readme_runs(tmp_path_factory):
     return dict(zip(RECIPES, pool.map(lambda r: _run(script, r), RECIPES)))
 
 
+# Slow: four subprocesses training the README's program (about 80 s of both cores).
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_readme_program_trains_under(recipe, readme_runs):
   run = readme_runs[recipe]

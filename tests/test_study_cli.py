@@ -78,6 +78,7 @@ def test_results_hold_every_step_of_every_cell(studied):
     assert steps == list(range(7)), (o["arm"], o["index"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ref", ["nnx_mlp.py:task", "linen_cnn.py:make_task"])
 def test_small_study_of_each_task_kind(tmp_path, ref):
   out = tmp_path / "small"

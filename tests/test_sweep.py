@@ -32,6 +32,7 @@ def quick(tmp_path_factory):
     return cfg, out, sweep.run_sweep(cfg, out, progress=False)
 
 
+@pytest.mark.slow  # the quick sweep: about 2 minutes of this machine
 def test_both_tasks_are_studies_with_every_output(quick):
   cfg, out, result = quick
   assert set(result["results"]) == {"gpt", "plain_lm"}
@@ -49,6 +50,7 @@ def test_both_tasks_are_studies_with_every_output(quick):
   assert "holds up within ±0.02" in md or "not shown within ±0.02" in md
 
 
+@pytest.mark.slow  # the quick sweep: about 2 minutes of this machine
 def test_dynamic_loss_scale_growth_interval_is_the_sweeps(quick):
   cfg, out, _ = quick
   study = json.load(open(os.path.join(out, "gpt", "study.json")))
@@ -58,6 +60,7 @@ def test_dynamic_loss_scale_growth_interval_is_the_sweeps(quick):
                                                                 "summary.md")).read()
 
 
+@pytest.mark.slow  # the quick sweep: about 2 minutes of this machine
 def test_report_only_rebuilds_the_same_summaries(quick):
   cfg, out, result = quick
   with user_code():
