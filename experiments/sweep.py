@@ -47,7 +47,11 @@ from experiments import trainlib  # noqa: E402
 from models import gpt as gpt_lib  # noqa: E402
 from models import plain_lm  # noqa: E402
 
-ALL_RECIPES = tuple(mp.PRESETS)
+# The default sweep's recipes: every preset but the microscaled ones (mxfp8, nvfp4), whose
+# GEMMs are emulated on this CPU (quantise, dequantise, f32 GEMM) and which the measured
+# default run in the README predates; name them with --recipes to add them.
+MICROSCALED = ("mxfp8", "nvfp4")
+ALL_RECIPES = tuple(r for r in mp.PRESETS if r not in MICROSCALED)
 QUICK_RECIPES = ("fp32", "bf16_master", "f16_mixed")
 TASKS = ("gpt", "plain_lm")
 
@@ -210,7 +214,8 @@ def run_sweep(cfg: SweepConfig, out: str, shard=None, report_only=False, progres
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--recipes", help=f"comma-separated presets (default: all: {','.join(ALL_RECIPES)})")
+  ap.add_argument("--recipes", help=f"comma-separated presets (default: {','.join(ALL_RECIPES)}; "
+                                    f"also {','.join(MICROSCALED)})")
   ap.add_argument("--seeds", type=int)
   ap.add_argument("--steps", type=int)
   ap.add_argument("--model", choices=tuple(gpt_lib.CONFIGS))
