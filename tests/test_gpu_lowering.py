@@ -124,8 +124,14 @@ def _signatures(prog, direction):
   return out
 
 
+# The microscaled recipes' lowerings (about 10 s each) run with the slow set; their GEMM
+# formats are also read per site by tests/test_fp8_conformance.py.
+_MICRO_SLOW = {r: pytest.mark.slow for r in ("mxfp8", "nvfp4")}
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("recipe", list(mp.PRESETS))
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=_MICRO_SLOW.get(r, ()))
+                                    for r in mp.PRESETS])
 def test_training_step_gemm_dtypes(lowered, recipe, platform):
   prog = lowered(recipe, platform)
   n = collections.Counter(g.direction for g in prog.gemms)
@@ -151,7 +157,8 @@ def test_fp8_hybrid_gemms_by_layer(lowered):
   assert {g.signature() for g in head} == {("bf16", "bf16", "f32")}
 
 
-@pytest.mark.parametrize("recipe", list(mp.PRESETS))
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=_MICRO_SLOW.get(r, ()))
+                                    for r in mp.PRESETS])
 def test_only_stochastic_rounding_recipes_run_triton_kernels(lowered, steps, recipe):
   """bf16_sr's optimizer rounds with the Pallas kernel on a GPU: one Triton kernel per
   parameter shape, writing the bf16 bit patterns of every leaf. No other preset has a

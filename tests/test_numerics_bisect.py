@@ -157,6 +157,7 @@ def test_underflowing_backward_cotangent_is_found(tmp_path):
   assert "l0, backward GEMM cotangent, float16:" in text and "underflow" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer,kinds", [
     # {l0, l1} fails, {l2} passes: found by halving alone.
     ("l2", ["halve", "halve"]),
@@ -198,6 +199,7 @@ def test_two_layers_needed_no_false_culprit(tmp_path):
   assert result.n_replays <= math.ceil(math.log2(n)) + n + 4
 
 
+@pytest.mark.slow
 def test_cause_outside_the_groups_names_no_culprit(tmp_path):
   recipe = mp.get_recipe("f16_mixed")
   loss = make_loss(unscoped_big=True)

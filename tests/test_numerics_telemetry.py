@@ -440,7 +440,7 @@ def test_scale_plot_png(tmp_path):
     report.scale_plot(tmp_path / "x.png", max_rows=0)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_telemetry_is_one_shards_inspect(stage):
   """DataParallel.telemetry: the rows of inspect on the first device's slice of the batch
   with the full params and the loss scaled as the step scales it (ZeRO-3 gathers)."""

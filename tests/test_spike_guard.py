@@ -318,7 +318,8 @@ def test_train_step_passes_the_loss():
   assert int(mp.optim.spike_metrics(opt)["spike_skipped_steps"]) == 1
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_skips_alike_on_every_rank(stage):
   """The optimizer gets the global mean loss, and (stages 1-3) the guard's grad norm is
   reduced over the shards: every rank skips the spike, and the result is the single-device
