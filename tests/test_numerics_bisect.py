@@ -211,6 +211,7 @@ def test_cause_outside_the_groups_names_no_culprit(tmp_path):
   assert "outside the GEMM scopes" in str(result)
 
 
+@pytest.mark.slow
 def test_no_divergence_stops_after_two_replays(tmp_path):
   recipe = mp.get_recipe("f16_mixed")
   loss = make_loss()
@@ -220,6 +221,7 @@ def test_no_divergence_stops_after_two_replays(tmp_path):
   assert "no divergence" in str(result)
 
 
+@pytest.mark.slow
 def test_non_finite_reference_stops(tmp_path):
   loss = make_loss(tiny_grad=("l0",))
   make_step, state0, ckpt, data, losses = original_run(tmp_path, loss, F16_NO_SCALE)
@@ -231,6 +233,7 @@ def test_non_finite_reference_stops(tmp_path):
   assert "not compared with the original run" in str(result)
 
 
+@pytest.mark.slow
 def test_baseline_mismatch_is_reported(tmp_path):
   loss = make_loss(tiny_grad=("l0",))
   make_step, state0, ckpt, data, losses = original_run(tmp_path, loss, F16_NO_SCALE)
@@ -281,6 +284,7 @@ def test_loss_without_scoped_gemms_is_refused():
                        tolerance=1e-3, loss=flat)
 
 
+@pytest.mark.slow
 def test_overrides_promote_exactly_the_group():
   recipe = mp.get_recipe("bf16_mixed")
   got = _bisect.overrides_for(["blocks/0"], ["blocks/0", "blocks/0/mlp", "blocks/1"],

@@ -58,7 +58,10 @@ def _steps(compiled, state, sampler, train_bytes, n):
   return state, sampler, metrics
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16_master", "bf16_sr", "f16_mixed"])
+# bf16_master and f16_mixed resume through the same code as bf16_sr and fp32 (their extra
+# state: master, loss scale, rides in the same checkpoint); they run with the slow set.
+@pytest.mark.parametrize("recipe", ["fp32", pytest.param("bf16_master", marks=pytest.mark.slow),
+                                    "bf16_sr", pytest.param("f16_mixed", marks=pytest.mark.slow)])
 def test_bit_exact_resume(tmp_path, setups, corpus, recipe):
   run, state, compiled = setups(recipe)
   straight, _, _ = _steps(compiled, state, data_lib.init_sampler(0), corpus.train, STEPS)
