@@ -231,8 +231,8 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   if telemetry:
     loss, grads, record = value_and_grad(loss_fn, opt_state, telemetry=True)(
         model, *args, **kwargs)
-    # Taken now: `params` holds the model's Variables, which the update below rewrites.
-    master_before = optim.master_params(opt_state, jax.tree.map(lambda x: x, params))
+    # Copied now: `params` holds the model's Variables, which the update below rewrites.
+    params_before = jax.tree.map(lambda x: x, params)
   else:
     loss, grads = value_and_grad(loss_fn, opt_state)(model, *args, **kwargs)
   # optax's convention: a transformation taking extra arguments (a spike guard) gets the
@@ -245,11 +245,8 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
     nnx.update(model, fp8.rollback_fp8_state(nnx.state(model, fp8.Fp8State), before, skipped))
   if telemetry:
     from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
-    scale = optim.loss_scale_of(opt_state)
-    unscaled = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
-    monitors = _telemetry.param_monitors(
-        master_before, optim.master_params(new_opt_state, nnx.state(model, nnx.Param)),
-        unscaled, opt_state)
+    monitors = _telemetry.update_monitors(params_before, nnx.state(model, nnx.Param), grads,
+                                          opt_state, new_opt_state)
     return loss, new_opt_state, record.with_monitors(monitors)
   return loss, new_opt_state
 

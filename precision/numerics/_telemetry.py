@@ -349,6 +349,20 @@ def param_monitors(params_before: Any, params_after: Any, grads: Any = None,
   return out
 
 
+def update_monitors(params_before: Any, params_after: Any, grads: Any,
+                    opt_state_before: Any, opt_state_after: Any) -> dict:
+  """`param_monitors` of one recipe-optimizer step: `grads` as ``tx.update`` received them
+  (scaled by the loss scale of `opt_state_before`, divided back out here), the params
+  measured where the update accumulates (the master copy when the recipe keeps one: an
+  update lost in the 16-bit copy but kept by the master is not lost)."""
+  from precision import optim  # pylint: disable=g-import-not-at-top
+  scale = optim.loss_scale_of(opt_state_before)
+  unscaled = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
+  return param_monitors(optim.master_params(opt_state_before, params_before),
+                        optim.master_params(opt_state_after, params_after), unscaled,
+                        opt_state_before)
+
+
 def record_rows(record: TelemetryRecord, step: int) -> list[dict]:
   """One JSON-safe dict per GEMM tensor (the report's records plus `step`)."""
   out = []
@@ -360,4 +374,4 @@ def record_rows(record: TelemetryRecord, step: int) -> list[dict]:
 
 
 __all__ = ["MONITOR_KINDS", "PARAM_MONITORS", "TelemetryRecord",
-           "gemm_telemetry", "param_monitors", "record_rows"]
+           "gemm_telemetry", "param_monitors", "record_rows", "update_monitors"]

@@ -232,14 +232,8 @@ def _telemetry_record(vg, plan: Plan, args, grads_of, params, opt_state, tx, wha
     grads = grads_of()
   updates, new_opt_state = tx.update(grads, opt_state, params)
   after = optim.apply_updates(params, updates)
-  scale = optim.loss_scale_of(opt_state)
-  # The monitors take the gradients the optimizer divides its loss scale out of, and the
-  # params where the update accumulates: the master copy where the recipe keeps one (an
-  # update lost in the 16-bit copy but kept by the master is not lost).
-  unscaled = jax.tree.map(lambda g: jnp.asarray(g, _F32) / scale, grads)
-  before_m = optim.master_params(opt_state, params)
-  after_m = optim.master_params(new_opt_state, after)
-  return rec.with_monitors(_telemetry.param_monitors(before_m, after_m, unscaled, opt_state))
+  return rec.with_monitors(_telemetry.update_monitors(params, after, grads, opt_state,
+                                                      new_opt_state))
 
 
 def _mean(values: list[float]) -> float:
