@@ -8,7 +8,8 @@ never as a bare absolute time (absolute seconds are kept in the JSON for referen
   recipes    each recipe's GPT train step: compiled memory (arguments, outputs, temporaries,
              aliasing from donation) beside the analytic ledger `bytes_per_param`, activation
              memory relative to fp32, tokens/s and MFU where the device's peak is known
-  optimizer  each precision.optim transform over optax.adamw (experiments.bench_optim)
+  optimizer  every recipe optimizer's update over a hand-written f32-master AdamW,
+             interleaved, with temp bytes per param (experiments.bench_optim)
   rounding   stochastic vs nearest cast, fused vs unfused AdamW+SR (experiments.bench_rounding)
   fp8        fp8 vs bf16 GEMM and step (CPU: emulation overhead only) (experiments.bench_fp8)
   zero       ZeRO stages 0-3: per-device memory and bytes sent per step on 8 host devices
@@ -193,15 +194,19 @@ def markdown(res: dict) -> str:
     lines.append("")
   if "optimizer" in res:
     o = res["optimizer"]
-    lines += ["## Optimizer step time over optax.adamw (f32)", "",
-              "| transform | " + " | ".join(f"{int(n) / 2**20:.0f}M" for n in o["sizes"]) + " |",
-              "|---|" + "---|" * len(o["sizes"])]
+    lines += [f"## Optimizer update over {o['baseline']} ({o['repeats']} interleaved rounds)", "",
+              "| transform | " + " | ".join(
+                  f"{int(n) / 2**20:.0f}M ratio | temp B/param" for n in o["sizes"]) + " |",
+              "|---|" + "---|---|" * len(o["sizes"])]
     first = o["ratio"][o["sizes"][0]]
     for k in first:
-      lines.append(f"| {k} | " + " | ".join(f"{o['ratio'][n][k]:.2f}" for n in o["sizes"]) + " |")
+      lines.append(f"| {k} | " + " | ".join(
+          f"{o['ratio'][n][k]:.2f} | {o['temp_bytes_per_param'][n][k]:.2f}"
+          for n in o["sizes"]) + " |")
     for k in o["no_donation_ratio"][o["sizes"][0]]:
-      lines.append(f"| {k}, no donation | " + " | ".join(
-          f"{o['no_donation_ratio'][n][k]:.2f}" for n in o["sizes"]) + " |")
+      lines.append(f"| {k}, no donation (over the undonated baseline) | " + " | ".join(
+          f"{o['no_donation_ratio'][n][k]:.2f} | "
+          f"{o['no_donation_temp_bytes_per_param'][n][k]:.2f}" for n in o["sizes"]) + " |")
     lines.append("")
   if "rounding" in res:
     r = res["rounding"]

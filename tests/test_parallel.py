@@ -375,8 +375,10 @@ def test_layer_gather_holds_one_layer_at_a_time(deep_reports):
   growth = {g: (deep_reports[g, 6][0].temp_bytes - deep_reports[g, 2][0].temp_bytes) / 4
             for g in ("step", "layer")}
   print({g: round(v / layer_bytes, 3) for g, v in growth.items()})
-  # gather="step": every extra layer adds its full gathered params to the temporaries.
-  assert growth["step"] >= layer_bytes
+  # gather="step": every extra layer adds its gathered params to the temporaries (measured
+  # 0.97 of a layer's bytes: XLA reuses a few small buffers once the optimizer's update
+  # runs in place; before it did, copies of the state added more on top).
+  assert growth["step"] >= 0.9 * layer_bytes
   # gather="layer": an extra layer adds only sharded state (its grad shard, optimizer
   # intermediates) and an activation: well under its full params.
   assert growth["layer"] <= 0.5 * layer_bytes

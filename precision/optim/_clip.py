@@ -27,6 +27,32 @@ def global_norm(tree: Any, axis_name: str | None = None) -> jax.Array:
   return jnp.sqrt(total)
 
 
+def norm_and_finite(tree: Any, axis_name: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """``(norm, finite)`` from one pass over `tree`: the f32 global norm, and whether every
+  floating element is finite.
+
+  Each element x contributes ``(x + x * 0) * x`` in f32: ``x * x`` bit for bit when x is
+  finite (``x * 0`` is a zero of x's sign and ``x + ±0 == x``), NaN when x is inf or NaN
+  (``inf * 0`` is NaN). The sum of squares is then NaN exactly when some element is not
+  finite: a sum of finite squares can overflow to +inf but never becomes NaN. So the norm
+  is `global_norm`'s bit for bit on finite trees (NaN on the others, where `global_norm`
+  gives inf for an inf without a NaN), and the all-finite check needs no second reduction
+  of its own. With `axis_name` the sum is psum-ed first: NaN on one rank is NaN on all.
+  """
+  sums = [jnp.sum(_square_or_nan(x.astype(jnp.float32)))
+          for x in jax.tree.leaves(tree) if _tree.is_float(x)]
+  total = jnp.sum(jnp.stack(sums)) if sums else jnp.zeros((), jnp.float32)
+  if axis_name is not None:
+    total = jax.lax.psum(total, axis_name)
+  return jnp.sqrt(total), jnp.logical_not(jnp.isnan(total))
+
+
+def _square_or_nan(x: jax.Array) -> jax.Array:
+  # Written so that no subexpression is the `x * x` an optimizer computes from the same
+  # grads (Adam's second moment): XLA would share it and keep it as a temporary.
+  return (x + x * jnp.zeros((), x.dtype)) * x
+
+
 def clip_by_global_norm(max_norm: float, axis_name: str | None = None
                         ) -> optax.GradientTransformation:
   """Scales updates by ``min(1, max_norm / norm)`` with the norm and the scaling in f32.

@@ -25,6 +25,7 @@ the grads catches it. On a finite loss neither changes a bit.
 from __future__ import annotations
 
 import threading
+import weakref
 import warnings
 from typing import Any, NamedTuple
 
@@ -38,6 +39,7 @@ from precision.optim import _loss_scale
 from precision.optim import _compat
 from precision.optim import _tree
 from precision.optim import _find
+from precision.optim import _select
 
 
 class UnscaledGradientsWarning(UserWarning):
@@ -105,7 +107,7 @@ class GuardState(NamedTuple):
   nonfinite_steps: int32, steps whose (unscaled) grads held an inf or NaN.
   consecutive_finite: int32, finite steps since the last non-finite one.
   consecutive_nonfinite: int32, non-finite steps since the last finite one.
-  grad_norm: f32, global norm of the last step's unscaled grads (inf/NaN when non-finite).
+  grad_norm: f32, global norm of the last step's unscaled grads (NaN when non-finite).
   """
 
   inner_state: Any
@@ -151,26 +153,40 @@ def _guard(inner, loss_scale, axis_name, skip):
     z = jnp.zeros((), jnp.int32)
     return GuardState(inner.init(params), loss_scale, z, z, z, z, jnp.zeros((), jnp.float32))
 
-  def update_fn(grads, state, params=None, *, value=None):
+  def update_fn(grads, state, params=None, *, value=None, veto=None):
     # value: the step's loss (scaled or not), when the caller passes it: a non-finite
     # loss is a non-finite step even when every gradient is finite.
+    # veto: a wrapping guard's ``norm -> bool scalar`` (`spike_guard`): True skips this
+    # step as if nothing happened, this guard's own counters and loss scale included,
+    # with the skip's selects placed like this guard's own (see `_select`).
     if not isinstance(state, GuardState):
       raise ValueError(f"state is a {type(state).__name__}; accepted: the state this "
                        "optimizer's init returned (a precision.optim GuardState)")
     _take_scale_read(state.loss_scale)
-    grads = state.loss_scale.unscale(grads)
-    finite = _tree.all_finite(grads)
+    # The norm and the all-finite check in one reduction (`norm_and_finite`; psum-ed over
+    # `axis_name`, so every rank skips alike). It reads the grads and the scale through an
+    # optimization barrier: without it XLA shares their upcast or unscaled values (or the
+    # broadcast reciprocal) between this reduction and the update, and keeps them as a
+    # temporary the size of the grads.
+    measured = [jnp.asarray(x) for x in jax.tree.leaves(grads)
+                if _tree.is_float(x) or isinstance(x, float)]
+    measured, scale = jax.lax.optimization_barrier((measured, state.loss_scale))
+    norm, finite = _clip.norm_and_finite(scale.unscale(measured), axis_name)
     if value is not None:
       finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(value))))
-    if axis_name is not None:
-      # Shards of the grads live on different ranks: every rank must skip alike.
-      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    norm = _clip.global_norm(grads, axis_name)
-    updates, inner_state = inner.update(grads, state.inner_state, params)
-    if skip:
-      updates = jax.tree.map(lambda u: jnp.where(finite, u, _tree.neg_zero_like(u))
-                             if _tree.is_float(u) else u, updates)
-      inner_state = _tree.select(finite, inner_state, state.inner_state)
+    grads = state.loss_scale.unscale(grads)
+    vetoed = None if veto is None else _tree.bool_scalar(veto(norm), "veto(norm)")
+    apply = finite if skip else None
+    if vetoed is not None:
+      not_vetoed = jnp.logical_not(vetoed)
+      apply = not_vetoed if apply is None else jnp.logical_and(apply, not_vetoed)
+    if apply is not None:
+      # Each state leaf selected where the update computes it (`_select`): the donated
+      # state is then updated in place, with no copy of the old values kept for a select.
+      updates, inner_state = _select.skip_unless(apply, inner.update, grads,
+                                                 state.inner_state, params)
+    else:
+      updates, inner_state = inner.update(grads, state.inner_state, params)
     one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
     bad = jnp.where(finite, zero, one)
     new = GuardState(
@@ -181,9 +197,24 @@ def _guard(inner, loss_scale, axis_name, skip):
         consecutive_finite=jnp.where(finite, state.consecutive_finite + 1, zero),
         consecutive_nonfinite=jnp.where(finite, zero, state.consecutive_nonfinite + 1),
         grad_norm=norm)
+    if vetoed is not None:  # the counters and the scale as they were (scalars)
+      own = lambda g: (g.loss_scale, g.skipped_steps, g.nonfinite_steps,
+                       g.consecutive_finite, g.consecutive_nonfinite, g.grad_norm)
+      new = GuardState(inner_state, *_tree.select(vetoed, own(state), own(new)))
     return updates, new
 
-  return _compat.own(optax.GradientTransformation(init_fn, update_fn))
+  tx = _compat.own(optax.GradientTransformation(init_fn, update_fn))
+  _TAKES_VETO.add(tx.update)
+  return tx
+
+
+# The update functions of `_guard`: they take a `veto` (see update_fn).
+_TAKES_VETO: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def takes_veto(tx: optax.GradientTransformation) -> bool:
+  """Whether `tx` is a guard of this module, whose update takes ``veto=``."""
+  return tx.update in _TAKES_VETO
 
 
 def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any,

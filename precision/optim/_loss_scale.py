@@ -51,7 +51,8 @@ class LossScale(Protocol):
     """`tree` multiplied by the scale (floating leaves)."""
 
   def unscale(self, tree: Any) -> Any:
-    """`tree` divided by the scale (floating leaves)."""
+    """`tree` unscaled: each floating leaf in f32 times the f32 reciprocal of the scale
+    (GradScaler's unscale; exactly the quotient for a power-of-two scale)."""
 
   def adjust(self, grads_finite: Any) -> LossScale:
     """The loss scale for the next step, given a bool scalar: were all grads finite."""
@@ -174,8 +175,13 @@ def _scale_leaf(x: Any, scale: jax.Array) -> Any:
 def _unscale_leaf(g: Any, scale: jax.Array) -> Any:
   # Unscale in f32 whatever the grad dtype: an f16 grad divided in f16 could overflow or
   # lose bits; f32 holds every f16/bf16 value exactly and the result feeds the f32 update.
+  # Multiplied by the f32 reciprocal, as PyTorch's GradScaler unscales: for a power-of-two
+  # scale (every dynamic scale with power-of-two settings, the presets' among them) 1/s is
+  # exact and g * (1/s) IS g / s, bit for bit; for another scale it can differ from the
+  # quotient in the last bit. A multiply, unlike a division, is cheap enough for XLA to
+  # fuse into every consumer of the unscaled grads instead of keeping them as a temporary.
   if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating):
-    return g.astype(_F32) / scale.astype(_F32)
+    return g.astype(_F32) * (jnp.ones((), _F32) / scale.astype(_F32))
   return g
 
 
@@ -211,7 +217,8 @@ class StaticLossScale:
     loss_scale: a Python number (stored as f32) or a floating scalar array (dtype kept);
       finite and > 0.
 
-  `scale` and `unscale` multiply / divide the floating leaves in f32 and return f32;
+  `scale` and `unscale` multiply the floating leaves in f32 by the scale / its f32
+  reciprocal and return f32;
   other leaves pass through.
 
   Examples:

@@ -10,7 +10,9 @@ of the grad norm against them,
 step when either z exceeds `threshold`: the updates are -0.0 (the non-finite guard's
 no-op: ``p + -0.0 == p`` bit for bit) and the inner state is the previous one, selected
 leaf by leaf with `jnp.where`, never `lax.cond` (on GPU a cond reads its predicate on the
-host, a sync per step). The rejected values do not enter the window.
+host, a sync per step). The selects are placed where each state leaf is computed
+(precision.optim._select), so the donated state is still updated in place. The rejected
+values do not enter the window.
 
 Under the null hypothesis (the new value and the n window values i.i.d. Gaussian) ``z /
 sqrt(1 + 1/n)`` is Student-t with n - 1 degrees of freedom, so a step is falsely skipped
@@ -39,6 +41,7 @@ from precision.optim import _clip
 from precision.optim import _compat
 from precision.optim import _find
 from precision.optim import _guard
+from precision.optim import _select
 from precision.optim import _tree
 
 
@@ -148,6 +151,7 @@ def spike_guard(inner: optax.GradientTransformation, *, window: int = 100,
   cfg = SpikeGuardConfig(window=window, threshold=threshold,
                          max_consecutive=max_consecutive, min_history=min_history)
   forwarded = _forwarded(inner)
+  takes_veto = _guard.takes_veto(inner)
   inner = _compat.compat(inner)
   size, history = cfg.window, cfg.history
   limit, thresh = cfg.max_consecutive, np.float32(cfg.threshold)
@@ -173,25 +177,52 @@ def spike_guard(inner: optax.GradientTransformation, *, window: int = 100,
     loss = loss.astype(jnp.float32)
     kwargs = ({"value": value, **extra} if forwarded == "all" else
               {"value": value} if forwarded == "value" else {})
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **kwargs)
-    guard = _find.find_state(new_inner, _guard.GuardState)
-    norm = (guard.grad_norm if guard is not None
-            else _clip.global_norm(updates, axis_name)).astype(jnp.float32)
+    decided: dict = {}
 
-    measurable = jnp.logical_and(jnp.isfinite(loss), jnp.isfinite(norm))
-    measured = jnp.logical_and(measurable, state.filled >= history)
-    nan = jnp.full((), jnp.nan, jnp.float32)
-    loss_z = jnp.where(measured, window_z(loss, state.losses, state.filled), nan)
-    norm_z = jnp.where(measured, window_z(norm, state.grad_norms, state.filled), nan)
-    # NaN compares False: an unmeasured step is never a spike.
-    spike = jnp.logical_or(loss_z > thresh, norm_z > thresh)
-    skip = jnp.logical_and(spike, state.consecutive_skipped < limit)
+    def decide(norm):
+      """Whether to skip, from the step's grad norm (and the loss and the window)."""
+      norm = norm.astype(jnp.float32)
+      measurable = jnp.logical_and(jnp.isfinite(loss), jnp.isfinite(norm))
+      measured = jnp.logical_and(measurable, state.filled >= history)
+      nan = jnp.full((), jnp.nan, jnp.float32)
+      loss_z = jnp.where(measured, window_z(loss, state.losses, state.filled), nan)
+      norm_z = jnp.where(measured, window_z(norm, state.grad_norms, state.filled), nan)
+      # NaN compares False: an unmeasured step is never a spike.
+      spike = jnp.logical_or(loss_z > thresh, norm_z > thresh)
+      skip = jnp.logical_and(spike, state.consecutive_skipped < limit)
+      decided.update(norm=norm, measurable=measurable, loss_z=loss_z, norm_z=norm_z,
+                     skip=skip)
+      return skip
+
+    if takes_veto:
+      # The guard inside decides with its own norm (of the unscaled grads) and places the
+      # skip's selects where each state leaf is computed: in place, no copy of the state.
+      new_updates, new_inner = inner.update(updates, state.inner_state, params,
+                                            veto=decide, **kwargs)
+    elif _find.find_state(state.inner_state, _guard.GuardState) is None:
+      # No guard inside: the norm of the incoming updates is known first, so the skip is
+      # decided before the update and its selects placed the same way.
+      decide(_clip.global_norm(updates, axis_name))
+      new_updates, new_inner = _select.skip_unless(
+          jnp.logical_not(decided["skip"]),
+          lambda u, s, p: inner.update(u, s, p, **kwargs), updates, state.inner_state,
+          params)
+    else:
+      # A guard nested deeper (e.g. inside an optax.chain): its norm is known only after
+      # the update, so the old state is selected afterwards (the state is copied).
+      new_updates, new_inner = inner.update(updates, state.inner_state, params, **kwargs)
+      decide(_find.find_state(new_inner, _guard.GuardState).grad_norm)
+      new_inner = _tree.select(decided["skip"], state.inner_state, new_inner)
+      new_updates = jax.tree.map(lambda u: jnp.where(decided["skip"], _tree.neg_zero_like(u), u)
+                                 if _tree.is_float(u) else u, new_updates)
+    norm, measurable, loss_z, norm_z, skip = (
+        decided[k] for k in ("norm", "measurable", "loss_z", "norm_z", "skip"))
     accept = jnp.logical_and(measurable, jnp.logical_not(skip))
 
     slot = jnp.logical_and(accept, jnp.arange(size, dtype=jnp.int32) == state.position)
     one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
     new = SpikeGuardState(
-        inner_state=_tree.select(skip, state.inner_state, new_inner),
+        inner_state=new_inner,
         losses=jnp.where(slot, loss, state.losses),
         grad_norms=jnp.where(slot, norm, state.grad_norms),
         filled=jnp.where(accept, jnp.minimum(state.filled + one, size), state.filled),
@@ -201,9 +232,7 @@ def spike_guard(inner: optax.GradientTransformation, *, window: int = 100,
         consecutive_skipped=jnp.where(skip, state.consecutive_skipped + one,
                                       jnp.where(accept, zero, state.consecutive_skipped)),
         loss_z=loss_z, grad_norm_z=norm_z, grad_norm=norm)
-    out = jax.tree.map(lambda u: jnp.where(skip, _tree.neg_zero_like(u), u)
-                       if _tree.is_float(u) else u, new_updates)
-    return out, new
+    return new_updates, new
 
   return _compat.own(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
