@@ -171,6 +171,8 @@ def test_static_argument_retrace_misses_as_few_as_handwritten():
     return list(second)
 
   hand, auto = misses(handwritten_mlp_loss), misses(mp.autocast(mlp_loss, "bf16_mixed"))
+  print(f"\n8-layer MLP retrace for a new static argument: hand-written bf16 {len(hand)} "
+        f"explained misses, autocast bf16_mixed {len(auto)}")
   assert 1 <= len(hand) and len(auto) <= 2 * len(hand), "\n\n".join(auto)
   assert any("for step" in m and "Static(val=2.0)" in m for m in auto), "\n\n".join(auto)
 
@@ -181,7 +183,7 @@ def test_apply_recipe_retrace_misses_as_few_as_handwritten():
   print(f"\n8-block NNX transformer retrace: hand-written bf16 {len(hand)} explained "
         f"misses, apply_recipe bf16_mixed {len(recipe)}")
   assert 1 <= len(hand) and len(recipe) <= 2 * len(hand), "\n\n".join(recipe)
-  assert any("step" in m for m in recipe), "\n\n".join(recipe)
+  assert any("for step" in m and "i32[2,7]" in m for m in recipe), "\n\n".join(recipe)
 
 
 def test_misses_of_user_functions_inside_autocast_still_explained():
@@ -231,11 +233,13 @@ def test_retraces_leave_no_function_behind():
 
 
 def test_mark_library_code_tolerates_a_missing_private_name(monkeypatch):
+  """A JAX without register_exclusion: marking is skipped (no MissingPrivateName at
+  import), only the explanations come back."""
   from precision import _compat  # pylint: disable=g-import-not-at-top
 
   def missing(module, attribute):
     raise _compat.MissingPrivateName(f"{module}.{attribute}")
 
   monkeypatch.setattr(_compat, "resolve", missing)
-  assert _compat.mark_library_code(os.path.dirname(_compat.__file__) + os.sep) is None
+  _compat.mark_library_code(os.path.dirname(_compat.__file__) + os.sep)
 
