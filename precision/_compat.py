@@ -17,6 +17,9 @@ tests/test_compat.py first.
 |                                                   | line and name stack (the audit reads them)  |
 | jax._src.xla_bridge.backends_are_initialized      | the faithful-rounding switch refuses late   |
 |                                                   | enabling                                    |
+| jax._src.source_info_util.register_exclusion      | the interpreter's and the policy GEMMs' own |
+|                                                   | functions are library code, not user code   |
+|                                                   | (`mark_library_code`)                       |
 | orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop | a failed checkpoint read drains |
 |                                                   | its TensorStore reads before the loop closes |
 |                                                   | (orbax-checkpoint 0.12.8, the newest in range) |
@@ -41,6 +44,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("jax._src.source_info_util", "user_context"),
     ("jax._src.source_info_util", "current_name_stack"),
     ("jax._src.xla_bridge", "backends_are_initialized"),
+    ("jax._src.source_info_util", "register_exclusion"),
 )
 
 
@@ -91,6 +95,32 @@ def current_name_stack():
 
 def backends_are_initialized() -> bool:
   return bool(resolve("jax._src.xla_bridge", "backends_are_initialized")())
+
+
+def mark_library_code(path: str) -> None:
+  """Tells JAX that the functions defined under `path` (a module file, or a package
+  directory ending in os.sep) are library code, as JAX's and Flax's own modules are.
+
+  Autocast re-evaluates a traced program and, per layer, hands JAX functions of its own
+  to trace: the jax.checkpoint'ed f32 glue regions, the branches of the policy GEMMs'
+  `lax.platform_dependent`, rebuilt scan/cond/while bodies and custom_jvp calls. They are
+  traced at each call's shapes, so on a retrace at new shapes every one of them misses
+  JAX's tracing cache however stable the function object is: under
+  `jax_explain_cache_misses`, some 40 explanations per layer besides the one for the
+  user's own function. JAX explains misses only of functions defined in user code (its
+  own internal jits and lambdas are skipped the same way), so once marked, autocast's are
+  skipped and the user's remain. The mark also makes JAX skip these files when it looks
+  for the user's frame of an op (the source location in lowered HLO metadata, some error
+  messages); Python tracebacks are not filtered.
+
+  With a JAX that lacks the private name nothing is marked and everything works; only
+  the explanations come back.
+  """
+  try:
+    register = resolve("jax._src.source_info_util", "register_exclusion")
+  except MissingPrivateName:
+    return
+  register(path)
 
 
 # --- Orbax ------------------------------------------------------------------------------

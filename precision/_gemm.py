@@ -37,6 +37,10 @@ from precision import _compat
 
 _F32 = np.dtype(np.float32)
 
+# The platform branches and transposes traced per GEMM are library code to JAX (see
+# _compat.mark_library_code): no cache-miss explanation per GEMM on a retrace.
+_compat.mark_library_code(__file__)
+
 
 class _Undefined(NamedTuple):
   """Stands in for the linear (undefined) operand of JAX's transpose rules: they read

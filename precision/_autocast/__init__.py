@@ -10,9 +10,17 @@ Examples:
   ...                             params, batch)
 """
 
-from precision._autocast._api import AutocastSpec
-from precision._autocast._api import autocast
-from precision._autocast._api import tracing
+import os as _os
+
+from precision import _compat
+
+# The interpreter's own functions (glue regions, rebuilt containers) are library code to
+# JAX: its cache-miss explanations and user frames skip them (see mark_library_code).
+_compat.mark_library_code(_os.path.dirname(__file__) + _os.sep)
+
+from precision._autocast._api import AutocastSpec  # noqa: E402
+from precision._autocast._api import autocast  # noqa: E402
+from precision._autocast._api import tracing  # noqa: E402
 
 __all__ = [
     "AutocastSpec",
