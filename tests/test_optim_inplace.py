@@ -269,11 +269,16 @@ N_ROWS = 256  # 256 x 1024 + 1024 params: large enough for XLA to pick its large
 
 
 def _compiled(recipe_name):
-  name, _, spike = recipe_name.partition("+")
+  name, _, variant = recipe_name.partition("+")
+  spike = variant == "spike_guard"
   recipe = precision.get_recipe(name)
   if spike:
     recipe = recipe.replace(name=recipe_name, spike_guard=precision.SpikeGuardConfig())
-  tx = po.build_optimizer(recipe, optax.adamw(1e-3, weight_decay=0.1))
+  if variant == "fused":
+    recipe = recipe.replace(name=recipe_name, fused=True)
+    tx = po.build_optimizer(recipe, po.fused_adamw(1e-3, weight_decay=0.1))
+  else:
+    tx = po.build_optimizer(recipe, optax.adamw(1e-3, weight_decay=0.1))
   dt = recipe.policy.param_dtype
   params = {"w": jnp.zeros((N_ROWS, 1024), dt), "b": jnp.zeros((1024,), dt)}
   extra = {"value": jnp.zeros((), jnp.float32)} if spike else {}
@@ -301,7 +306,7 @@ def _large_copies(hlo_text):
 # (moments rounded to bf16 while the update reads the f32 ones) and bf16_kahan (the
 # compensated sum reads the params twice) keep the temporaries of their transforms.
 IN_PLACE = ["fp32", "bf16_mixed", "bf16_master", "bf16_sr", "f16_mixed", "fp8_hybrid",
-            "bf16_master+spike_guard"]
+            "bf16_master+spike_guard", "bf16_sr+fused"]
 
 
 @pytest.mark.parametrize("name", IN_PLACE)
@@ -425,3 +430,30 @@ def test_cuda_lowering_of_the_previous_guard_read_old_state():
   with unittest.mock.patch.object(_guard, "_guard", _previous_guard):
     bad = _read_after_write(_cuda_module("bf16_master"))
   assert len({arg for arg, _, _ in bad}) >= 3, bad
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("keep_master", [False, True])
+def test_fused_adamw_skips_inside_its_pass(impl, keep_master):
+  """`FusedAdamW.update(..., apply=False)`: moments, master and count come back bit for
+  bit from the fused pass itself (the Pallas kernel interpreted on a CPU), and apply=True
+  takes the unguarded step."""
+  from precision.rounding import FusedAdamW  # pylint: disable=g-import-not-at-top
+  opt = FusedAdamW(learning_rate=1e-2, weight_decay=0.1, seed=5, keep_master=keep_master,
+                   impl=impl, interpret=True if impl == "pallas" else None)
+  params = _params(jnp.bfloat16)
+  with jax.numpy_dtype_promotion("standard"):
+    state = po.fused_adamw(1e-2, keep_master=keep_master).init(params)
+  grads = jax.tree.map(jnp.asarray, _grads(1, params))
+  for _ in range(2):  # a second step so that the moments are not zeros
+    params, state = jax.jit(opt.update)(grads, state, params)
+  skipped = jax.jit(opt.update)(grads, state, params, jnp.asarray(False))[1]
+  assert_bit_identical(skipped, state)
+  taken = jax.jit(opt.update)(grads, state, params, jnp.asarray(True))
+  plain = jax.jit(opt.update)(grads, state, params)
+  # The same arithmetic in two programs (XLA:CPU contracts multiply-adds per fusion, see
+  # above); inside the guard the fused recipe is bit-identical to bf16_sr
+  # (tests/test_fused_adamw.py) and to the previous guard (above).
+  for a, b in zip(jax.tree.leaves(taken[1]), jax.tree.leaves(plain[1])):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                               rtol=1e-6, atol=1e-12)

@@ -117,16 +117,34 @@ def _transform(opt: FusedAdamW) -> optax.GradientTransformation:
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params) if opt.keep_master else None
     return FusedAdamWState(jnp.zeros((), jnp.int32), zeros, zeros, master)
 
-  def update_fn(grads, state, params=None):
+  def update_fn(grads, state, params=None, *, apply=None):
+    # apply: the guard's bool scalar (see `takes_apply`); a skip happens inside the fused
+    # pass, the state unchanged and the updates -0.0.
     if params is None:
       raise ValueError("fused_adamw needs params in update(grads, state, params)")
-    new_params, state = opt.update(grads, state, params)
+    new_params, state = opt.update(grads, state, params, apply=apply)
     # Every leaf is bf16/f16 (FusedAdamW refuses others), so `deltas` never falls back to
     # its third argument: each update is f32(new) - f32(old).
-    return _apply.deltas(new_params, params, new_params), state
+    updates = _apply.deltas(new_params, params, new_params)
+    if apply is not None:
+      updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.full(u.shape, -0.0, u.dtype)),
+                             updates)
+    return updates, state
 
   # FusedAdamW runs under strict promotion (it scopes standard promotion where optax does).
-  return _compat.own(optax.GradientTransformation(init_fn, update_fn))
+  tx = _compat.own(optax.GradientTransformation(init_fn, update_fn))
+  _TAKES_APPLY.add(tx.update)
+  return tx
+
+
+# Update functions of `fused_adamw` transformations: they take ``apply=`` (a bool
+# scalar) and skip inside the fused pass, which the guard prefers to selecting after it.
+_TAKES_APPLY: weakref.WeakSet = weakref.WeakSet()
+
+
+def takes_apply(tx: Any) -> bool:
+  """Whether `tx.update` takes ``apply=`` (a `fused_adamw` transformation)."""
+  return isinstance(tx, optax.GradientTransformation) and tx.update in _TAKES_APPLY
 
 
 def is_fused_adamw(tx: Any) -> bool:

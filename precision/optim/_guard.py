@@ -4,7 +4,12 @@
 A skipped step returns updates of -0.0 (``x + -0.0 == x`` bit for bit for every x, +0.0 and
 -0.0 included, where ``-0.0 + +0.0`` would flip a sign bit) and selects the previous inner
 state leaf by leaf with `jnp.where`, never `lax.cond` (optax issue 377: cond breaks on
-bf16 trees), so params and inner state stay bit-identical.
+bf16 trees; on a GPU a cond reads its predicate on the host), so params and inner state
+stay bit-identical. Each select is placed where the inner update computes that leaf
+(`precision.optim._select`; the fused AdamW kernel skips inside its own pass), and the
+grad norm and the all-finite check are one reduction (`_clip.norm_and_finite`): the
+guarded update then reads each donated state buffer only to write its new value, and
+XLA updates it in place, as it does the unguarded update.
 
 Unscaled gradients are detectable: the guard of a loss-scaling optimizer divides the grads
 by the scale whatever they are, so grads computed WITHOUT multiplying the loss by it come
@@ -39,6 +44,7 @@ from precision.optim import _loss_scale
 from precision.optim import _compat
 from precision.optim import _tree
 from precision.optim import _find
+from precision.optim import _fused
 from precision.optim import _select
 
 
@@ -180,7 +186,10 @@ def _guard(inner, loss_scale, axis_name, skip):
     if vetoed is not None:
       not_vetoed = jnp.logical_not(vetoed)
       apply = not_vetoed if apply is None else jnp.logical_and(apply, not_vetoed)
-    if apply is not None:
+    if apply is not None and _fused.takes_apply(inner):
+      # The fused AdamW kernel skips inside its own pass (its selects are in the kernel).
+      updates, inner_state = inner.update(grads, state.inner_state, params, apply=apply)
+    elif apply is not None:
       # Each state leaf selected where the update computes it (`_select`): the donated
       # state is then updated in place, with no copy of the old values kept for a select.
       updates, inner_state = _select.skip_unless(apply, inner.update, grads,

@@ -78,28 +78,37 @@ def adamw_sr_elementwise(g, w, mu, nu, rbits, scalars, hp: Hyper, fi: formats.Fo
 
   Args:
     g: grads (f32, bf16 or f16); w, mu, nu: f32; rbits: uint32 random bits.
-    scalars: (bc1, bc2, step_size, wd) f32 scalars; step_size = -learning_rate.
+    scalars: (bc1, bc2, step_size, wd, apply) f32 scalars; step_size = -learning_rate;
+      apply: 1.0 takes the step, 0.0 skips it (a guard's non-finite or spike skip).
     hp: Python-float constants. fi: the param format.
 
   Returns:
-    (param bit patterns (uint16/uint8), new mu, new nu, new w), same shape as `g`.
+    (param bit patterns (uint16/uint8), new mu, new nu, new w), same shape as `g`. On a
+    skipped step mu, nu and w come back bit for bit, and the param bits are those of the
+    unchanged w rounded again (meaningless: a skip's caller discards them).
   """
-  bc1, bc2, step_size, wd = scalars
+  bc1, bc2, step_size, wd, apply = scalars
+  ok = apply != np.float32(0)
   g = g.astype(jnp.float32)
   # Same expressions, same order as optax (Python floats become f32 constants there too).
-  mu = np.float32(1 - hp.b1) * g + np.float32(hp.b1) * mu
-  nu = np.float32(1 - hp.b2) * (g * g) + np.float32(hp.b2) * nu
+  # Each new value is selected against the old one where it is computed, and everything
+  # after reads the selected value: on a taken step that IS the new value, and a skipped
+  # step's param is discarded. So every old buffer is read only by the computation that
+  # overwrites it, which XLA then does in place (no copy kept for a later select).
+  mu = jnp.where(ok, np.float32(1 - hp.b1) * g + np.float32(hp.b1) * mu, mu)
+  nu = jnp.where(ok, np.float32(1 - hp.b2) * (g * g) + np.float32(hp.b2) * nu, nu)
   u = (mu / bc1) / (jnp.sqrt(nu / bc2 + np.float32(hp.eps_root)) + np.float32(hp.eps))
   if hp.decay:
     u = u + wd * w
   u = step_size * u
-  w = w + u
+  w = jnp.where(ok, w + u, w)
   return _reference.encode(w, rbits, fi), mu, nu, w
 
 
 def step_scalars(count: jax.Array, learning_rate, b1: float, b2: float,
-                 weight_decay: float) -> jax.Array:
-  """f32[4] (bc1, bc2, -lr, wd) for the step taken at `count` (steps before this one)."""
+                 weight_decay: float, apply: jax.Array | None = None) -> jax.Array:
+  """f32[5] (bc1, bc2, -lr, wd, apply) for the step taken at `count` (steps before this
+  one); apply is 1.0, or 0.0 where the bool `apply` is False (the step is skipped)."""
   count_inc = jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)  # safe_increment
   # optax computes ``1 - b ** count`` with a Python float b and an int32 count (f32 result)
   # and casts it to the moment dtype; spelled the same way for identical bits. Mixing a
@@ -114,7 +123,9 @@ def step_scalars(count: jax.Array, learning_rate, b1: float, b2: float,
       step_size = jnp.array(-1 * learning_rate(count), dtype=jnp.float32)
   else:
     step_size = jnp.asarray(np.float32(-1 * learning_rate))
-  return jnp.stack([bc1, bc2, step_size, jnp.asarray(np.float32(weight_decay))])
+  taken = (jnp.ones((), jnp.float32) if apply is None
+           else jnp.where(apply, jnp.float32(1), jnp.float32(0)))
+  return jnp.stack([bc1, bc2, step_size, jnp.asarray(np.float32(weight_decay)), taken])
 
 
 def _leaf_reference(g, p, mu, nu, master, keys, scalars, hp, fi):
@@ -124,7 +135,7 @@ def _leaf_reference(g, p, mu, nu, master, keys, scalars, hp, fi):
   rbits = _hash.bits_at(index, keys[0], keys[1])
   w = master if master is not None else p.astype(jnp.float32)
   bits, mu, nu, w = adamw_sr_elementwise(
-      g, w, mu, nu, rbits, (scalars[0], scalars[1], scalars[2], scalars[3]), hp, fi)
+      g, w, mu, nu, rbits, tuple(scalars[k] for k in range(5)), hp, fi)
   return _reference.decode(bits, fi), mu, nu, (w if master is not None else None)
 
 
@@ -139,7 +150,7 @@ def _adamw_kernel(keys_ref, s_ref, g_ref, w_ref, mu_ref, nu_ref, *out_refs, n, b
   mu = plgpu.load(mu_ref, mask=ok, other=0)
   nu = plgpu.load(nu_ref, mask=ok, other=0)
   rbits = _pallas.bits_from_keys(position, keys_ref)
-  scalars = (s_ref[0], s_ref[1], s_ref[2], s_ref[3])
+  scalars = tuple(s_ref[k] for k in range(5))
   bits, mu, nu, w = adamw_sr_elementwise(g, w, mu, nu, rbits, scalars, hp, fi)
   plgpu.store(pbits_ref, bits, mask=ok)
   plgpu.store(mu_out, mu, mask=ok)
@@ -173,7 +184,7 @@ def _leaf_pallas(g, p, mu, nu, master, keys, scalars, hp, fi, *, block_size, int
       kernel,
       grid=(pl.cdiv(n, block_size),),
       in_specs=[pl.BlockSpec((_pallas.KEYS_SIZE,), lambda i: (0,)),
-                pl.BlockSpec((4,), lambda i: (0,)),
+                pl.BlockSpec((5,), lambda i: (0,)),
                 block, block, block, block],
       out_specs=[block] * len(out_shape),
       out_shape=out_shape,
@@ -282,9 +293,13 @@ class FusedAdamW:
         raise ValueError(f"weight-decay mask leaves must be Python bools; got {f!r}")
     return [bool(f) for f in flags]
 
-  def update(self, grads: Any, state: FusedAdamWState, params: Any
-             ) -> tuple[Any, FusedAdamWState]:
-    """One step. Returns (new params in their own dtype, new state); jit-compatible."""
+  def update(self, grads: Any, state: FusedAdamWState, params: Any,
+             apply: jax.Array | None = None) -> tuple[Any, FusedAdamWState]:
+    """One step. Returns (new params in their own dtype, new state); jit-compatible.
+
+    `apply`: a bool scalar; where False the step is skipped inside the same pass (the
+    state comes back bit for bit, the returned params must be discarded), so a guard
+    around it keeps the donated state in place. None: always taken."""
     _check_params(params)
     leaves, treedef = jax.tree.flatten(params)
     g_leaves = treedef.flatten_up_to(grads)
@@ -300,7 +315,7 @@ class FusedAdamW:
         raise ValueError(f"FusedAdamW keeps moments and master in float32; got {a.dtype}")
     decay = self._decay_flags(params, treedef)
     scalars = step_scalars(state.count, self.learning_rate, self.b1, self.b2,
-                           self.weight_decay)
+                           self.weight_decay, apply)
     step = state.count.astype(jnp.uint32)
     outs = []
     for i, (g, p, mu, nu, m) in enumerate(zip(g_leaves, leaves, mu_leaves, nu_leaves,
@@ -315,6 +330,8 @@ class FusedAdamW:
     new_p, new_mu, new_nu, new_m = (list(t) for t in zip(*outs)) if outs else ([],) * 4
     count_inc = jnp.where(state.count < jnp.iinfo(jnp.int32).max, state.count + 1,
                           state.count)
+    if apply is not None:
+      count_inc = jnp.where(apply, count_inc, state.count)
     master = treedef.unflatten(new_m) if self.keep_master else None
     return treedef.unflatten(new_p), FusedAdamWState(
         count_inc, treedef.unflatten(new_mu), treedef.unflatten(new_nu), master)
