@@ -60,9 +60,10 @@ class _JitTrainStep:
     graphdef, state = nnx.split(model)
     # nnx.split hands back the model's own Variable objects (not copies): reading and
     # writing their arrays is reading and writing the model.
-    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    for path, variable in jax.tree_util.tree_flatten_with_path(
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    found = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    variables = [variable for _, variable in found]
+    for path, variable in found:
       value = variable.get_raw_value()
       if not _holds_one_array(value):
         where = "/".join(str(getattr(k, "key", k)) for k in path)
