@@ -16,6 +16,9 @@ never as a bare absolute time (absolute seconds are kept in the JSON for referen
              (experiments.bench_parallel)
   telemetry  the study's numerics telemetry program against the GPT cell's step: the step
              time overhead of telemetry every 100 (and 10) steps (experiments.bench_telemetry)
+  host       host time per training step of a small GPT with 1 to 16 blocks: nnx.jit of
+             precision.train_step, precision.jit_train_step and split state + jax.jit, as
+             ratios over the last (experiments.bench_host)
 
 Outputs: DIR/bench.json and DIR/bench.md. CPU wall-clock of bf16 vs fp32 says nothing about
 a GPU; the GPU figures come from experiments/gpu_check.py.
@@ -50,7 +53,8 @@ from experiments import mfu as mfu_lib  # noqa: E402
 from experiments import trainlib  # noqa: E402
 from models import gpt as gpt_lib  # noqa: E402
 
-SECTIONS = ("policy", "recipes", "optimizer", "rounding", "fp8", "zero", "telemetry")
+SECTIONS = ("policy", "recipes", "optimizer", "rounding", "fp8", "zero", "telemetry",
+            "host")
 
 
 def _nbytes(tree) -> int:
@@ -140,7 +144,7 @@ def recipe_figures(model: str, batch: int, seq: int, recipes, repeats: int) -> d
 def run(quick: bool = False, sections=SECTIONS) -> dict:
   """Runs the chosen sections; returns one JSON-safe dict keyed by section."""
   from experiments import bench_fp8, bench_optim, bench_parallel, bench_policy, bench_rounding
-  from experiments import bench_telemetry
+  from experiments import bench_host, bench_telemetry
   result = {"quick": quick, "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind, "platform": platform.platform(),
             "jax": jax.__version__, "faithful_rounding": mp.faithful_rounding_enabled()}
@@ -155,6 +159,7 @@ def run(quick: bool = False, sections=SECTIONS) -> dict:
       "fp8": lambda: bench_fp8.run(quick),
       "zero": lambda: bench_parallel.run(quick),
       "telemetry": lambda: bench_telemetry.run(quick),
+      "host": lambda: bench_host.run(quick),
   }
   for name in sections:
     t = time.perf_counter()
@@ -242,6 +247,23 @@ def markdown(res: dict) -> str:
         lines.append(f"| {name} | {r['tensors']} | {label} | {c['telemetry_over_step']:.2f}x | "
                      f"{c['overhead_every_100']:.2%} | {c['overhead_every_10']:.1%} | "
                      f"{c['compile_s']:.1f} |")
+    lines.append("")
+  if "host" in res:
+    h = res["host"]
+    pats = ("nnx.jit", "jit_train_step", "split + jax.jit")
+    lines += [f"## Host time per step: GPT of width 16 under {h['recipe']} (medians of "
+              f"{h['repeats']} interleaved repeats of {h['steps']} steps)", "",
+              "Step: call to results ready, the device idle before; host: the step less the "
+              "compiled program called alone.", "",
+              "| blocks | Variables | step ms: nnx.jit | jit_train_step | split + jax.jit | "
+              "program alone | jit_train_step / split | nnx.jit / split | host ms: nnx.jit | "
+              "jit_train_step | split + jax.jit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n in h["layers"]:
+      s, hs = h["seconds"][n], h["host_seconds"][n]
+      lines.append(f"| {n} | {h['variables'][n]} | " + " | ".join(
+          f"{s[p] * 1e3:.3f}" for p in pats + ("program alone",)) +
+          f" | {h['helper_over_split'][n]:.2f} | {h['nnx_over_split'][n]:.2f} | " +
+          " | ".join(f"{hs[p] * 1e3:.3f}" for p in pats) + " |")
     lines.append("")
   return "\n".join(lines) + "\n"
 

@@ -4,7 +4,8 @@ Public surface: Policy and get_policy (jmp's grammar), Recipe and get_recipe, `b
 recipe with its overrides interpreted once, a Plan every entry point takes), `autocast`
 (a policy or recipe applied to any JAX function), float-format facts
 (`precision.formats`), the faithful-rounding switch, stochastic rounding, the training
-step of every recipe (`value_and_grad`, `train_step`), `TrainState` (what checkpoints
+step of every recipe (`value_and_grad`, `train_step`, and `jit_train_step`: that step
+jitted for one model at the host cost of plain jax.jit), `TrainState` (what checkpoints
 and data parallelism carry), and the subpackages flax, audit, numerics, optim, fp8,
 parallel, checkpoint, study. `precision.audit` is the package (`precision.audit.lower`,
 ...) and calling it is `precision.audit.audit(fn, *args)`.
@@ -42,6 +43,7 @@ from precision._recipe import Recipe
 from precision._recipe import SpikeGuardConfig
 from precision._recipe import get_recipe
 from precision._state import TrainState
+from precision._jit_step import jit_train_step
 from precision._train import train_step
 from precision._train import value_and_grad
 from precision.rounding import stochastic_round
@@ -86,6 +88,7 @@ __all__ = [
     "fp8",
     "get_policy",
     "get_recipe",
+    "jit_train_step",
     "numerics",
     "ops",
     "parallel",

@@ -11,8 +11,8 @@ same for fp32, bf16, f16 with loss scaling and fp8:
 
   >>> tx = mp.optim.build_optimizer(recipe, optax.adamw(1e-3))
   >>> opt_state = tx.init(nnx.state(model, nnx.Param))
-  >>> step = nnx.jit(mp.train_step, static_argnums=(1, 3))
-  >>> loss, opt_state = step(model, tx, opt_state, loss_fn, x, y)
+  >>> step = mp.jit_train_step(model, tx, loss_fn)    # train_step, jitted for this model
+  >>> loss, opt_state = step(opt_state, x, y)
 """
 
 from __future__ import annotations
@@ -182,7 +182,10 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   state and fp8 state bit-identical. A `tx` that is an optax
   GradientTransformationExtraArgs (a ``Recipe.spike_guard`` optimizer) gets the unscaled
   loss as ``value=``. Other model state (e.g. BatchNorm statistics) keeps
-  the step's update. Works eagerly and under `nnx.jit` (jit it yourself: see Examples).
+  the step's update. Works eagerly and under any jit: `precision.jit_train_step(model,
+  tx, loss_fn)` compiles it once for a model and costs the host what plain `jax.jit`
+  does per call; ``nnx.jit(precision.train_step, static_argnums=(1, 3))`` computes the
+  same bit for bit but walks the model's object graph on every call.
 
   Args:
     model: the NNX model, e.g. after `precision.flax.apply_recipe(model, recipe)`.
@@ -205,13 +208,15 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
     >>> model = precision.flax.apply_recipe(MLP(rngs=nnx.Rngs(0)), "f16_mixed")
     >>> tx = precision.optim.build_optimizer("f16_mixed", optax.sgd(0.1))
     >>> opt_state = tx.init(nnx.state(model, nnx.Param))
-    >>> step = nnx.jit(precision.train_step, static_argnums=(1, 3))
+    >>> step = precision.jit_train_step(model, tx, loss_fn)   # updates `model` in place
     >>> for x, y in batches:
-    ...   loss, opt_state = step(model, tx, opt_state, loss_fn, x, y)
-    >>> probe = nnx.jit(functools.partial(precision.train_step, telemetry=True),
-    ...                 static_argnums=(1, 3))      # every 100 steps, instead of `step`
-    >>> loss, opt_state, record = probe(model, tx, opt_state, loss_fn, x, y)
+    ...   loss, opt_state = step(opt_state, x, y)
+    >>> probe = precision.jit_train_step(model, tx, loss_fn, telemetry=True)
+    >>> loss, opt_state, record = probe(opt_state, x, y)  # every 100 steps, instead of `step`
     >>> record.report().first_anomaly(), record.monitors()
+    >>> # The same step without the helper (Flax walks the model on every call):
+    >>> step = nnx.jit(precision.train_step, static_argnums=(1, 3))
+    >>> loss, opt_state = step(model, tx, opt_state, loss_fn, x, y)
   """
   if not isinstance(telemetry, bool):
     raise ValueError(f"train_step: telemetry={telemetry!r}; accepted: True or False")

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from experiments import bench
+from experiments import bench_host
 from experiments import gpu_check
 from models import gpt
 
@@ -82,7 +83,16 @@ def test_every_section_and_field(quick):
   assert stages == {(rc, s) for rc in ("fp32", "bf16_master") for s in (0, 1, 2, 3, "3L")}
   temps = {(r["recipe"], r["stage"]): r["temp_KiB"] for r in res["zero"]["rows"]}
   assert temps["bf16_master", "3L"] < temps["bf16_master", 3]   # layer by layer holds less
-  assert "## ZeRO stages" in md and "## Policy wrapper" in md
+  host = res["host"]
+  assert host["variables"][str(host["layers"][-1])] > host["variables"][str(host["layers"][0])]
+  for n in map(str, host["layers"]):
+    secs = host["seconds"][n]
+    assert set(secs) == set(bench_host.PATTERNS) | {bench_host.PROGRAM}
+    for p in bench_host.PATTERNS:
+      _same(host["host_seconds"][n][p], secs[p] - secs[bench_host.PROGRAM])
+    _same(host["helper_over_split"][n], _ratio(secs["jit_train_step"], secs["split + jax.jit"]))
+    _same(host["nnx_over_split"][n], _ratio(secs["nnx.jit"], secs["split + jax.jit"]))
+  assert "## ZeRO stages" in md and "## Policy wrapper" in md and "## Host time per step" in md
 
 
 @pytest.mark.slow  # run by CI when time allows (python -m pytest -m slow)
