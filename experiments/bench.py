@@ -201,13 +201,14 @@ def markdown(res: dict) -> str:
     o = res["optimizer"]
     lines += [f"## Optimizer update over {o['baseline']} ({o['repeats']} interleaved rounds)", "",
               "| transform | " + " | ".join(
-                  f"{int(n) / 2**20:.0f}M ratio | temp B/param" for n in o["sizes"]) + " |",
-              "|---|" + "---|---|" * len(o["sizes"])]
+                  f"{int(n) / 2**20:.0f}M ratio | over {o['unguarded']} | temp B/param"
+                  for n in o["sizes"]) + " |",
+              "|---|" + "---|---|---|" * len(o["sizes"])]
     first = o["ratio"][o["sizes"][0]]
     for k in first:
       lines.append(f"| {k} | " + " | ".join(
-          f"{o['ratio'][n][k]:.2f} | {o['temp_bytes_per_param'][n][k]:.2f}"
-          for n in o["sizes"]) + " |")
+          f"{o['ratio'][n][k]:.2f} | {o['ratio_over_unguarded'][n][k]:.2f} | "
+          f"{o['temp_bytes_per_param'][n][k]:.2f}" for n in o["sizes"]) + " |")
     for k in o["no_donation_ratio"][o["sizes"][0]]:
       lines.append(f"| {k}, no donation (over the undonated baseline) | " + " | ".join(
           f"{o['no_donation_ratio'][n][k]:.2f} | "

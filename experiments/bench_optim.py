@@ -5,8 +5,9 @@
 every preset's `build_optimizer` around optax.adamw and of the transforms it is made of,
 as the median over R interleaved rounds (each round times every row once, so slow
 drifts of the machine hit every row alike) of the row's time over the baseline's in
-that round. The baseline is a hand-written f32-master AdamW on bf16 params: the least an
-update with a master copy can do. Beside each ratio: the compiled program's temporary
+that round. The baseline is a hand-written f32-master AdamW on bf16 params, written as a
+training loop would; a second ratio is over `master_weights(optax.adamw)` without any
+guard, the library's own update less the guard. Beside each ratio: the compiled program's temporary
 memory (`memory_analysis().temp_size_in_bytes`) per parameter, the transient memory the
 step needs beyond its donated arguments. `run(quick)` returns the same figures as a dict.
 CPU figures unless a GPU is present; the backend is printed with them.
@@ -29,6 +30,7 @@ import optax  # noqa: E402
 from precision import optim as po  # noqa: E402
 
 BASELINE = "hand-written f32 master (bf16)"
+UNGUARDED = "master_weights, no guard (bf16)"  # the library's own update without a guard
 LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.1
 
 
@@ -127,31 +129,35 @@ def _time_once(fn, args):
   return time.perf_counter() - t0
 
 
-def _interleaved(prepared, repeats, baseline):
-  """{name: (median seconds, median ratio over the baseline's time in the same round)}."""
+def _interleaved(prepared, repeats, baseline, second=None):
+  """{name: (median seconds, median ratio over the baseline's time in the same round,
+  the same over `second`'s time or None)}."""
   times = {k: [] for k in prepared}
   for _ in range(repeats):
     for k, (fn, _, args) in prepared.items():
       times[k].append(_time_once(fn, args))
-  base = times[baseline]
-  return {k: (statistics.median(ts), statistics.median([t / b for t, b in zip(ts, base)]))
-          for k, ts in times.items()}
+  ratio = lambda ts, ref: statistics.median([t / b for t, b in zip(ts, times[ref])])
+  return {k: (statistics.median(ts), ratio(ts, baseline),
+              ratio(ts, second) if second else None) for k, ts in times.items()}
 
 
 def run(quick: bool = False, repeats: int | None = None) -> dict:
-  """{"backend", "sizes", "repeats", "baseline", "seconds": {size: {name: s}},
-  "ratio": {size: {name: x}}, "temp_bytes_per_param": {size: {name: b}},
-  "no_donation_ratio": {size: {name: x}}}."""
+  """{"backend", "sizes", "repeats", "baseline", "unguarded", "seconds": {size: {name: s}},
+  "ratio": {size: {name: x}} (over the baseline), "ratio_over_unguarded" (over
+  master_weights without a guard, from the same rounds), "temp_bytes_per_param": {size:
+  {name: b}}, "no_donation_ratio", "no_donation_temp_bytes_per_param"}."""
   sizes = [1 << 20] if quick else [10 << 20]
   repeats = repeats or (5 if quick else 15)
   out = {"backend": jax.default_backend(), "sizes": sizes, "repeats": repeats,
-         "baseline": BASELINE, "seconds": {}, "ratio": {}, "temp_bytes_per_param": {},
+         "baseline": BASELINE, "unguarded": UNGUARDED, "seconds": {}, "ratio": {},
+         "ratio_over_unguarded": {}, "temp_bytes_per_param": {},
          "no_donation_ratio": {}, "no_donation_temp_bytes_per_param": {}}
   for n in sizes:
     prepared = {k: _prepare(tx, n, dt) for k, (tx, dt) in _rows().items()}
-    res = _interleaved(prepared, repeats, BASELINE)
-    out["seconds"][n] = {k: s for k, (s, _) in res.items()}
-    out["ratio"][n] = {k: r for k, (_, r) in res.items()}
+    res = _interleaved(prepared, repeats, BASELINE, UNGUARDED)
+    out["seconds"][n] = {k: s for k, (s, _, _) in res.items()}
+    out["ratio"][n] = {k: r for k, (_, r, _) in res.items()}
+    out["ratio_over_unguarded"][n] = {k: r for k, (_, _, r) in res.items()}
     out["temp_bytes_per_param"][n] = {k: p[1] / n for k, p in prepared.items()}
     del prepared
     # Without donation the update cannot write in place: these rows show what donation
@@ -159,7 +165,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
     undonated = {k: _prepare(tx, n, dt, donate=False) for k, (tx, dt) in _rows().items()
                  if k in (BASELINE, "skip_nonfinite (f32)", "build_optimizer bf16_master")}
     res = _interleaved(undonated, repeats, BASELINE)
-    out["no_donation_ratio"][n] = {k: r for k, (_, r) in res.items()}
+    out["no_donation_ratio"][n] = {k: r for k, (_, r, _) in res.items()}
     out["no_donation_temp_bytes_per_param"][n] = {k: p[1] / n for k, p in undonated.items()}
   return out
 
@@ -174,9 +180,11 @@ def main():
         f"rounds of the row's step time over {res['baseline']!r} in the same round; temp: "
         "compiled temporary bytes per parameter")
   for n in res["sizes"]:
-    print(f"{n / 2**20:.0f}M params{'':29s}{'ms':>9s}{'ratio':>8s}{'temp B/param':>14s}")
+    print(f"{n / 2**20:.0f}M params{'':29s}{'ms':>9s}{'ratio':>8s}{'/unguarded':>11s}"
+          f"{'temp B/param':>14s}")
     for k in res["ratio"][n]:
       print(f"  {k:44s}{res['seconds'][n][k] * 1e3:9.2f}{res['ratio'][n][k]:8.2f}"
+            f"{res['ratio_over_unguarded'][n][k]:11.2f}"
             f"{res['temp_bytes_per_param'][n][k]:14.2f}")
     print("  without donation (ratio over the donated baseline's round is not comparable: "
           "over the undonated baseline):")

@@ -457,3 +457,41 @@ def test_fused_adamw_skips_inside_its_pass(impl, keep_master):
   for a, b in zip(jax.tree.leaves(taken[1]), jax.tree.leaves(plain[1])):
     np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
                                rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["bf16_master", "f16_mixed"])
+def test_zero_sharded_update_is_in_place(name):
+  """The optimizer on ZeRO shards (`axis_name`, inside shard_map over 8 devices, as
+  precision.parallel runs it): the norm and finiteness psum-ed, and still no copy of a
+  state shard and no temporaries the size of the shards."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  recipe = precision.get_recipe(name)
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = po.build_optimizer(recipe, optax.adamw(1e-3, weight_decay=0.1), axis_name="data")
+  dt = recipe.policy.param_dtype
+  n = 8 * 32768
+  params = {"w": jnp.zeros((n,), dt)}
+
+  def local(p, s, g):
+    with jax.numpy_dtype_promotion("standard"):
+      po.loss_scale_of(s)
+      u, s = tx.update(g, s, p)
+      return po.apply_updates(p, u), s
+
+  with jax.numpy_dtype_promotion("standard"):
+    state = jax.eval_shape(tx.init, jax.tree.map(lambda x: x[: n // 8], params))
+  # Array leaves are sharded along the axis, scalars replicated (precision.parallel's
+  # layout of the flat optimizer state).
+  spec = lambda t: jax.tree.map(lambda x: P("data") if x.ndim else P(), t)
+  sharding = lambda x: jax.sharding.NamedSharding(mesh, P("data") if x.ndim else P())
+  shard = lambda t, k=1: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((x.shape[0] * k,) if x.ndim else (), x.dtype,
+                                     sharding=sharding(x)), t)
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(spec(params), spec(state), spec(params)),
+                     out_specs=(spec(params), spec(state)))
+  compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(
+      shard(params), shard(state, 8), shard(params)).compile()
+  text = compiled.as_text()
+  assert not _large_copies(text), _large_copies(text)[:3]
+  assert "all-reduce" in text  # the sum of squares, across the shards
+  assert compiled.memory_analysis().temp_size_in_bytes <= n
