@@ -361,17 +361,25 @@ def test_previous_guard_copied_the_state():
 # --- an old state buffer (what lets XLA update it in place without a copy) -------------
 
 
-def _cuda_module(recipe_name):
-  recipe = precision.get_recipe(recipe_name)
-  tx = po.build_optimizer(recipe, optax.adamw(1e-3, weight_decay=0.1))
-  dt = recipe.policy.param_dtype
-  params = {"w": jnp.zeros((64, 32), dt), "b": jnp.zeros((32,), dt)}
+def _update_step(tx):
+  """One donated optimizer step as a training loop writes it (reads the scale first)."""
 
   def step(p, s, g):
     with jax.numpy_dtype_promotion("standard"):
       po.loss_scale_of(s)
       u, s = tx.update(g, s, p)
       return po.apply_updates(p, u), s
+
+  return step
+
+
+def _cuda_module(recipe_name):
+  recipe = precision.get_recipe(recipe_name)
+  tx = po.build_optimizer(recipe, optax.adamw(1e-3, weight_decay=0.1))
+  dt = recipe.policy.param_dtype
+  params = {"w": jnp.zeros((64, 32), dt), "b": jnp.zeros((32,), dt)}
+
+  step = _update_step(tx)
 
   with jax.numpy_dtype_promotion("standard"):
     state = tx.init(params)
@@ -472,11 +480,7 @@ def test_zero_sharded_update_is_in_place(name):
   n = 8 * 32768
   params = {"w": jnp.zeros((n,), dt)}
 
-  def local(p, s, g):
-    with jax.numpy_dtype_promotion("standard"):
-      po.loss_scale_of(s)
-      u, s = tx.update(g, s, p)
-      return po.apply_updates(p, u), s
+  local = _update_step(tx)
 
   with jax.numpy_dtype_promotion("standard"):
     state = jax.eval_shape(tx.init, jax.tree.map(lambda x: x[: n // 8], params))

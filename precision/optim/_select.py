@@ -9,7 +9,7 @@ master) is computed from the UNSELECTED new leaf. XLA then fuses that leaf's ari
 twice, once into the select that writes the donated buffer and once into the update that
 reads it, so the old value must stay alive after the buffer is overwritten: it copies
 each state buffer before the step (measured: 8 bytes per parameter of transient memory
-and 3-4x the step time of the unguarded update on 10M parameters on a CPU).
+and 4-5x the step time of the unguarded update on 10M parameters on a CPU).
 
 `skip_unless(ok, update, grads, state, params)` traces ``update`` to a jaxpr and
 evaluates it again with the select applied right where each new state leaf is defined,
