@@ -295,7 +295,7 @@ def test_fused_adamw_lowers_to_triton(keep_master, impl):
   # Reads keys, scalars, grad, (master or param bits), mu, nu; writes param bits, mu, nu
   # (and the master), each exactly once.
   w_in = "f32[2048]" if keep_master else "uint16[2048]"
-  assert w.operands == ("uint32[4]", "f32[5]", "bf16[2048]", w_in, "f32[2048]", "f32[2048]")
+  assert w.operands == ("uint32[4]", "f32[8]", "bf16[2048]", w_in, "f32[2048]", "f32[2048]")
   assert w.results == ("uint16[2048]",) + ("f32[2048]",) * (3 if keep_master else 2)
   # TPU: "auto" is the XLA reference there and "pallas" interpret mode; both lower.
   tpu = lower(opt.update, params, state, params, platform="tpu")

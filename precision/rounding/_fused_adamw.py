@@ -105,10 +105,14 @@ def adamw_sr_elementwise(g, w, mu, nu, rbits, scalars, hp: Hyper, fi: formats.Fo
   return _reference.encode(w, rbits, fi), mu, nu, w
 
 
+SCALARS_SIZE = 8  # step_scalars' length
+
+
 def step_scalars(count: jax.Array, learning_rate, b1: float, b2: float,
                  weight_decay: float, apply: jax.Array | None = None) -> jax.Array:
-  """f32[5] (bc1, bc2, -lr, wd, apply) for the step taken at `count` (steps before this
-  one); apply is 1.0, or 0.0 where the bool `apply` is False (the step is skipped)."""
+  """f32[8] (bc1, bc2, -lr, wd, apply, 0, 0, 0) for the step taken at `count` (steps
+  before this one); apply is 1.0, or 0.0 where the bool `apply` is False (the step is
+  skipped). Padded to 8: a Pallas block on Triton has a power-of-two size."""
   count_inc = jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)  # safe_increment
   # optax computes ``1 - b ** count`` with a Python float b and an int32 count (f32 result)
   # and casts it to the moment dtype; spelled the same way for identical bits. Mixing a
@@ -125,7 +129,9 @@ def step_scalars(count: jax.Array, learning_rate, b1: float, b2: float,
     step_size = jnp.asarray(np.float32(-1 * learning_rate))
   taken = (jnp.ones((), jnp.float32) if apply is None
            else jnp.where(apply, jnp.float32(1), jnp.float32(0)))
-  return jnp.stack([bc1, bc2, step_size, jnp.asarray(np.float32(weight_decay)), taken])
+  pad = jnp.zeros((), jnp.float32)
+  return jnp.stack([bc1, bc2, step_size, jnp.asarray(np.float32(weight_decay)), taken,
+                    pad, pad, pad])
 
 
 def _leaf_reference(g, p, mu, nu, master, keys, scalars, hp, fi):
@@ -184,7 +190,7 @@ def _leaf_pallas(g, p, mu, nu, master, keys, scalars, hp, fi, *, block_size, int
       kernel,
       grid=(pl.cdiv(n, block_size),),
       in_specs=[pl.BlockSpec((_pallas.KEYS_SIZE,), lambda i: (0,)),
-                pl.BlockSpec((5,), lambda i: (0,)),
+                pl.BlockSpec((SCALARS_SIZE,), lambda i: (0,)),
                 block, block, block, block],
       out_specs=[block] * len(out_shape),
       out_shape=out_shape,
