@@ -282,12 +282,7 @@ def _compiled(recipe_name):
   dt = recipe.policy.param_dtype
   params = {"w": jnp.zeros((N_ROWS, 1024), dt), "b": jnp.zeros((1024,), dt)}
   extra = {"value": jnp.zeros((), jnp.float32)} if spike else {}
-
-  def step(p, s, g):
-    with jax.numpy_dtype_promotion("standard"):
-      po.loss_scale_of(s)
-      u, s = tx.update(g, s, p, **extra)
-      return po.apply_updates(p, u), s
+  step = _update_step(tx, **extra)
 
   with jax.numpy_dtype_promotion("standard"):
     state = tx.init(params)
@@ -361,13 +356,14 @@ def test_previous_guard_copied_the_state():
 # --- an old state buffer (what lets XLA update it in place without a copy) -------------
 
 
-def _update_step(tx):
-  """One donated optimizer step as a training loop writes it (reads the scale first)."""
+def _update_step(tx, **extra):
+  """One optimizer step as a training loop writes it (reads the scale first); `extra`
+  goes to ``tx.update`` (a spike guard's ``value=``)."""
 
   def step(p, s, g):
     with jax.numpy_dtype_promotion("standard"):
       po.loss_scale_of(s)
-      u, s = tx.update(g, s, p)
+      u, s = tx.update(g, s, p, **extra)
       return po.apply_updates(p, u), s
 
   return step

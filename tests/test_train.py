@@ -59,7 +59,8 @@ def _steps(compiled, state, sampler, train_bytes, n):
 
 
 # bf16_master and f16_mixed resume through the same code as bf16_sr and fp32 (their extra
-# state: master, loss scale, rides in the same checkpoint); they run with the slow set.
+# state: master, loss scale, rides in the same checkpoint); they run with the slow set, and
+# so does bf16_sr (tests/conftest.py MOVED_TO_SLOW).
 @pytest.mark.parametrize("recipe", ["fp32", pytest.param("bf16_master", marks=pytest.mark.slow),
                                     "bf16_sr", pytest.param("f16_mixed", marks=pytest.mark.slow)])
 def test_bit_exact_resume(tmp_path, setups, corpus, recipe):

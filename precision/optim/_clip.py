@@ -19,12 +19,18 @@ def global_norm(tree: Any, axis_name: str | None = None) -> jax.Array:
   overflows past 65504). With `axis_name`, `tree` holds this rank's shards and the sum of
   squares is psum-ed over that axis, so every rank gets the norm of the whole tree.
   """
-  sums = [jnp.sum(jnp.square(x.astype(jnp.float32)))
+  return jnp.sqrt(_sum_of(jnp.square, tree, axis_name))
+
+
+def _sum_of(square, tree: Any, axis_name: str | None) -> jax.Array:
+  """f32 sum over every floating element of `tree` of ``square(f32 element)``: per leaf,
+  then over the leaves, then psum-ed over `axis_name`."""
+  sums = [jnp.sum(square(x.astype(jnp.float32)))
           for x in jax.tree.leaves(tree) if _tree.is_float(x)]
   total = jnp.sum(jnp.stack(sums)) if sums else jnp.zeros((), jnp.float32)
   if axis_name is not None:
     total = jax.lax.psum(total, axis_name)
-  return jnp.sqrt(total)
+  return total
 
 
 def norm_and_finite(tree: Any, axis_name: str | None = None) -> tuple[jax.Array, jax.Array]:
@@ -39,11 +45,7 @@ def norm_and_finite(tree: Any, axis_name: str | None = None) -> tuple[jax.Array,
   gives inf for an inf without a NaN), and the all-finite check needs no second reduction
   of its own. With `axis_name` the sum is psum-ed first: NaN on one rank is NaN on all.
   """
-  sums = [jnp.sum(_square_or_nan(x.astype(jnp.float32)))
-          for x in jax.tree.leaves(tree) if _tree.is_float(x)]
-  total = jnp.sum(jnp.stack(sums)) if sums else jnp.zeros((), jnp.float32)
-  if axis_name is not None:
-    total = jax.lax.psum(total, axis_name)
+  total = _sum_of(_square_or_nan, tree, axis_name)
   return jnp.sqrt(total), jnp.logical_not(jnp.isnan(total))
 
 

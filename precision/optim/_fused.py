@@ -25,6 +25,7 @@ import optax
 from precision.optim import _apply
 from precision.optim import _seed
 from precision.optim import _compat
+from precision.optim import _tree
 from precision.rounding import FusedAdamW
 from precision.rounding import FusedAdamWState
 
@@ -127,8 +128,7 @@ def _transform(opt: FusedAdamW) -> optax.GradientTransformation:
     # its third argument: each update is f32(new) - f32(old).
     updates = _apply.deltas(new_params, params, new_params)
     if apply is not None:
-      updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.full(u.shape, -0.0, u.dtype)),
-                             updates)
+      updates = _tree.skip_updates(apply, updates)
     return updates, state
 
   # FusedAdamW runs under strict promotion (it scopes standard promotion where optax does).

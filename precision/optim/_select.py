@@ -62,7 +62,7 @@ def skip_unless(ok: jax.Array, update: Callable[..., tuple[Any, Any]], grads: An
     # Eager: nothing is donated or fused, and replaying the jaxpr op by op would run
     # optax's jitted helpers unjitted (XLA:CPU can then move an element by an ulp).
     updates, new_state = update(grads, state, params)
-    return _skip_updates(ok, updates), _tree.select(ok, new_state, state)
+    return _tree.skip_updates(ok, updates), _tree.select(ok, new_state, state)
 
   def flat_update(*leaves):
     g, s, p = jax.tree_util.tree_unflatten(in_tree, leaves)
@@ -77,7 +77,7 @@ def skip_unless(ok: jax.Array, update: Callable[..., tuple[Any, Any]], grads: An
     updates = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(updates_shape),
                                            outs[:n_updates])
     new_state = jax.tree_util.tree_unflatten(state_tree, outs[n_updates:])
-    return _skip_updates(ok, updates), _tree.select(ok, new_state, state)
+    return _tree.skip_updates(ok, updates), _tree.select(ok, new_state, state)
   jaxpr = closed.jaxpr
   state_out = jaxpr.outvars[n_updates:]
   at_definition = _selectable(jaxpr, state_out, old)
@@ -98,7 +98,7 @@ def skip_unless(ok: jax.Array, update: Callable[..., tuple[Any, Any]], grads: An
                for v, o in zip(state_out, old)]
   updates = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(updates_shape),
                                          updates)
-  return (_skip_updates(ok, updates),
+  return (_tree.skip_updates(ok, updates),
           jax.tree_util.tree_unflatten(state_tree, new_state))
 
 
@@ -131,8 +131,3 @@ def _selectable(jaxpr, state_out, old) -> dict:
   return {v: o for v, o in zip(state_out, old)
           if not isinstance(v, jex_core.Literal) and counts[v] == 1 and v not in outer}
 
-
-def _skip_updates(ok: jax.Array, updates: Any) -> Any:
-  """Floating updates -0.0 unless `ok` (``x + -0.0 == x`` bit for bit, +-0.0 included)."""
-  return jax.tree.map(lambda u: jnp.where(ok, u, _tree.neg_zero_like(u))
-                      if _tree.is_float(u) else u, updates)

@@ -213,8 +213,7 @@ def spike_guard(inner: optax.GradientTransformation, *, window: int = 100,
       new_updates, new_inner = inner.update(updates, state.inner_state, params, **kwargs)
       decide(_find.find_state(new_inner, _guard.GuardState).grad_norm)
       new_inner = _tree.select(decided["skip"], state.inner_state, new_inner)
-      new_updates = jax.tree.map(lambda u: jnp.where(decided["skip"], _tree.neg_zero_like(u), u)
-                                 if _tree.is_float(u) else u, new_updates)
+      new_updates = _tree.skip_updates(jnp.logical_not(decided["skip"]), new_updates)
     norm, measurable, loss_z, norm_z, skip = (
         decided[k] for k in ("norm", "measurable", "loss_z", "norm_z", "skip"))
     accept = jnp.logical_and(measurable, jnp.logical_not(skip))

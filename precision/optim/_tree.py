@@ -111,5 +111,12 @@ def neg_zero_like(u: Any) -> Any:
   return jnp.full(u.shape, -0.0, u.dtype) if is_float(u) else u
 
 
+def skip_updates(ok: Any, updates: Any) -> Any:
+  """Floating updates -0.0 unless `ok` (a skipped step: ``x + -0.0 == x`` bit for bit,
+  +-0.0 included); other leaves as they are."""
+  return jax.tree.map(lambda u: jnp.where(ok, u, neg_zero_like(u)) if is_float(u) else u,
+                      updates)
+
+
 def dtype_of(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.dtype, tree)
