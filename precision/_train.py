@@ -76,10 +76,12 @@ def _telemetry_spec(fn, model_or_params):
     if spec is None or inner is None:
       raise ValueError("value_and_grad(telemetry=True) on a params pytree: fn is not an "
                        "autocast'ed function; accepted: fn = precision.autocast(loss, recipe)")
-  if spec.recipe is not None and spec.recipe.fp8 is not None:
-    raise ValueError(f"value_and_grad(telemetry=True): recipe {spec.recipe.name!r} has fp8 "
-                     "GEMMs, whose scaled operands telemetry does not replay; accepted: a "
-                     "recipe without fp8 (precision.numerics.inspect measures fp8 GEMMs)")
+  if spec.fp8_state:
+    raise ValueError("value_and_grad(telemetry=True): fn carries its fp8 scaling state as "
+                     "an argument (autocast(..., fp8_state=True)), which value_and_grad "
+                     "does not thread; accepted: an NNX model under an fp8 recipe (its "
+                     "layers hold the state), or a stateless fp8 scaling ('current', "
+                     "'per_channel', 'block', mxfp8, nvfp4)")
   return spec, inner
 
 
@@ -114,7 +116,8 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
       and the logit monitors (`precision.numerics.gemm_telemetry`), computed by the same
       compiled program as a second evaluation of the loss and gradient under the spec the
       call runs under: an NNX model's mark (`apply_recipe`), or, for a params pytree,
-      `fn`'s own (`fn = precision.autocast(loss, recipe)`). Not for fp8 recipes. Jit
+      `fn`'s own (`fn = precision.autocast(loss, recipe)`). fp8 GEMMs are measured on
+      their scaled operands (the values the cast to E4M3/E5M2 rounds). Jit
       the step twice, with and without, and call the telemetry one every N steps: the
       step without it is the program it always was.
 

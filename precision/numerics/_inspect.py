@@ -89,11 +89,19 @@ def _module_scopes(nodes):
           delattr(cls, m)
 
 
+class AsWritten(NamedTuple):
+  """In place of a recipe: `fn` already runs under its recipe (it calls an autocast'ed
+  function itself, e.g. one with explicit fp8 scaling state), so it is traced as written;
+  `policy` names that recipe's policy in the report."""
+  policy: str
+
+
 def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
-  """Traces fn(*args, **kwargs) under autocast and evaluates it with the recorder;
-  returns the policy string, the higher-order primitives whose GEMMs went unseen and
-  the outputs of the evaluation (autocast's: floating results in the output dtype).
-  `recorder(on_tensor)` makes the evaluator (default: _interpret.Recorder)."""
+  """Traces fn(*args, **kwargs) under autocast (as written for an AsWritten) and
+  evaluates it with the recorder; returns the policy string, the higher-order primitives
+  whose GEMMs went unseen and the outputs of the evaluation (autocast's: floating results
+  in the output dtype). `recorder(on_tensor)` makes the evaluator (default:
+  _interpret.Recorder)."""
   if not callable(fn):
     raise ValueError(f"fn must be callable (a loss, a forward or a value_and_grad "
                      f"function); got {fn!r} of type {type(fn).__name__}")
@@ -114,13 +122,17 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
                                                    for x, t in zip(leaves, is_arr)])
     return fn(*a, **kw)
 
-  wrapped = autocast(flat_fn, recipe_or_policy)
+  if isinstance(recipe_or_policy, AsWritten):
+    wrapped, policy = flat_fn, recipe_or_policy.policy
+  else:
+    wrapped = autocast(flat_fn, recipe_or_policy)
+    policy = str(wrapped.autocast_spec.policy)
   with _module_scopes(nodes):
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*arrays)
   recorder = (recorder or _interpret.Recorder)(on_tensor)
   outs = recorder.run(closed, arrays)
   outputs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-  return str(wrapped.autocast_spec.policy), tuple(recorder.unvisited), outputs
+  return policy, tuple(recorder.unvisited), outputs
 
 
 def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.NumericsReport:

@@ -175,7 +175,8 @@ class Recorder:
       return outs, [_Meta(bwd=m.bwd)]
     if name in _KEEP_ORIGIN and inmetas:
       pending = inmetas[0].pending if name in _LAYOUT else None
-      return outs, [_Meta(bwd=inmetas[0].bwd, pending=pending)]
+      return outs, [_Meta(pre=_moved_pre(eqn, invals, inmetas[0].pre),
+                          bwd=inmetas[0].bwd, pending=pending)]
     return plain(outs)
 
   def _call(self, sub, invals, inmetas, inner, iteration):
@@ -264,6 +265,19 @@ class Recorder:
 
   def _emit(self, info: TensorInfo, value, dtype: np.dtype) -> None:
     self.on_tensor(info, value, dtype)
+
+
+def _moved_pre(eqn, invals, pre):
+  """The value a moving op's result was rounded from: the same op applied to its input's
+  `pre` (an fp8 GEMM squeezes or transposes its quantised operand after the cast, and the
+  statistics must still see the f32 values the cast rounded); a re-rounding
+  (reduce_precision) keeps the original value."""
+  if pre is None or eqn.primitive.name == "reduce_precision":
+    return pre
+  rest = list(invals[1:])
+  if eqn.primitive.name == "pad":   # the padding value, in the wider dtype of `pre`
+    rest[0] = jnp.asarray(rest[0]).astype(pre.dtype)
+  return _compat.bind_eqn(eqn, [pre, *rest])
 
 
 def _narrows(old: np.dtype, new: np.dtype) -> bool:

@@ -291,7 +291,8 @@ class DataParallel:
     result of that forward and backward pass and the logit monitors. Its own compiled
     program (`state` is not donated or changed): call it every N steps beside `step`.
     The rows are one shard's; the other devices' slices are alike in distribution, not
-    in value. Needs a recipe; not with fp8_state=True.
+    in value. Needs a recipe. With fp8_state=True the fp8 GEMMs are measured on their
+    scaled operands, from the state's scaling (its new value is discarded).
 
     Returns:
       A `precision.numerics.TelemetryRecord`.
@@ -299,9 +300,6 @@ class DataParallel:
     if self.cfg.autocast is None:
       raise ValueError("telemetry: this DataParallel has no recipe; accepted: one built "
                        "with data_parallel(..., recipe=...)")
-    if self.cfg.fp8_state:
-      raise ValueError("telemetry with fp8_state=True: fp8 GEMMs' scaled operands are not "
-                       "replayed; accepted: a recipe without fp8")
     if not isinstance(whatif, bool):
       raise ValueError(f"telemetry: whatif={whatif!r}; accepted: True or False")
     if self._telemetry is None:
@@ -317,6 +315,18 @@ class DataParallel:
     shard = jax.tree.map(lambda x: x[: x.shape[0] // n], batch)
     scale = optim.loss_scale_of(state.opt_state).astype(jnp.float32)
     loss_fn = self.cfg.loss_fn
+
+    if self.cfg.fp8_state:
+      def grads(p, s, b):
+        # As the step differentiates: w.r.t. the params and the fp8 state (the gradient
+        # operand's state comes back as a cotangent; here it is discarded).
+        def f(q, t):
+          loss, new = loss_fn(q, t, b)
+          return loss.astype(jnp.float32) * scale, new
+        return jax.value_and_grad(f, argnums=(0, 1), has_aux=True, allow_int=True)(p, s)
+
+      return _telemetry.gemm_telemetry(grads, self.cfg.autocast, params, state.model_state,
+                                       shard, whatif=whatif)
 
     def grads(p, b):
       return jax.value_and_grad(lambda q: loss_fn(q, b).astype(jnp.float32) * scale)(p)

@@ -42,8 +42,10 @@ from precision._recipe import Recipe
 from precision._state import TrainState
 from precision._train import train_step
 from precision._train import value_and_grad as mp_value_and_grad
+from precision.numerics import _inspect
 from precision.numerics import _telemetry
 from precision.audit import audit
+from precision.flax import _nnx as mp_nnx
 from precision.study._task import Task
 
 KINDS = ("nnx", "linen", "params")
@@ -147,8 +149,8 @@ class Program:
       `whatif` static): the numerics of the step `step` would take from `state` on
       `batch` (every GEMM tensor of its forward and backward pass, the logit monitors,
       and the parameter monitors of its update), computed without changing `state`.
-      GEMM rows are empty for fp8 recipes (their GEMMs run inside fp8 layers or with
-      explicit scaling state, which the telemetry evaluator does not replay).
+      fp8 GEMMs are measured on their scaled operands (the values the cast to E4M3 /
+      E5M2 rounds), inside fp8 layers or with the explicit scaling state alike.
   """
 
   kind: str
@@ -212,23 +214,22 @@ def _metrics(opt_state: Any, loss: jax.Array, fp8_saturated: jax.Array | None) -
   return m
 
 
-def _telemetry_record(vg, plan: Plan, args, grads_of, params, opt_state, tx, whatif):
-  """The TelemetryRecord of one step: GEMM rows of `vg(*args)` under `plan` (none for
-  fp8 recipes) and the parameter monitors of the update the step would make."""
-  grads = None
-  if plan.recipe.fp8 is None:
-    rec, (_, out_grads) = _telemetry.telemetry_and_outputs(vg, plan, *args, whatif=whatif)
-    if plan.policy.output_dtype == np.dtype(np.float32):
-      # The gradients of the evaluation measured, widened to f32 by autocast's output
-      # cast (exact): narrowed back to the params' dtypes they are the step's own.
-      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), out_grads, params)
+def _telemetry_record(vg, spec, args, grads_of, params, opt_state, tx, whatif,
+                      grads_in=None):
+  """The TelemetryRecord of one step: GEMM rows of `vg(*args)` under `spec` (a Plan, a
+  model's mark, or `_inspect.AsWritten` for a `vg` that runs its recipe itself) and the
+  parameter monitors of the update the step would make. `grads_in(outputs)`: the step's
+  gradients from the outputs of the evaluation measured (default: autocast's
+  ``(value, grads)`` with grads widened to f32, narrowed back to the params' dtypes);
+  `grads_of()` computes them anew where the outputs do not give them."""
+  rec, outputs = _telemetry.telemetry_and_outputs(vg, spec, *args, whatif=whatif)
+  if grads_in is not None:
+    grads = grads_in(outputs)
+  elif np.dtype(spec.policy.output_dtype) == np.dtype(np.float32):
+    # The gradients of the evaluation measured, widened to f32 by autocast's output
+    # cast (exact): narrowed back to the params' dtypes they are the step's own.
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), outputs[1], params)
   else:
-    fields = _telemetry._device_stats.FIELDS if whatif else \
-        _telemetry._device_stats.BASE_FIELDS
-    rec = _telemetry.TelemetryRecord(jnp.zeros((0, len(fields)), _F32),
-                                     jnp.zeros((0,), _F32), (), fields, (),
-                                     str(plan.policy))
-  if grads is None:
     grads = grads_of()
   updates, new_opt_state = tx.update(grads, opt_state, params)
   after = optim.apply_updates(params, updates)
@@ -297,8 +298,9 @@ def _build_nnx(task, plan: Plan, seed, model, tx, held_out) -> Program:
       return vg(nnx.merge(graphdef, state.params, state.model_state), batch)[1]
 
     m = nnx.merge(graphdef, state.params, state.model_state)
-    return _telemetry_record(vg, plan, (m, batch), grads_of, state.params, state.opt_state,
-                             tx, whatif)
+    # The model's mark (the plan's spec; fp8 layers hold their own scaling state).
+    return _telemetry_record(vg, mp_nnx.spec_of(m), (m, batch), grads_of, state.params,
+                             state.opt_state, tx, whatif)
 
   n = int(sum(x.size for x in jax.tree.leaves(params)))
   return Program("nnx", recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n,
@@ -403,13 +405,14 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
     args = (state.params, collections_of(state), batch, rng, scale)
     plain_vg = jax.value_and_grad(loss_of, has_aux=True)
 
-    def grads_of():
-      if has_fp8:
-        return vg(state.model_state["fp8"], *args)[1]
-      return vg(*args)[1]
-
-    return _telemetry_record(plain_vg, plan, args, grads_of, state.params, state.opt_state,
-                             tx, whatif)
+    if has_fp8:
+      # The step's own gradient function, measured as written: it runs the fp8 GEMMs
+      # with the explicit scaling state, whose new value the record discards.
+      return _telemetry_record(vg, _inspect.AsWritten(str(plan.policy)),
+                               (state.model_state["fp8"], *args), None, state.params,
+                               state.opt_state, tx, whatif, grads_in=lambda out: out[1])
+    return _telemetry_record(plain_vg, plan, args, lambda: vg(*args)[1], state.params,
+                             state.opt_state, tx, whatif)
 
   state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(model_state),
                      _rng_data(seed))
