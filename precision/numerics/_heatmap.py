@@ -13,22 +13,31 @@ _COLUMNS = (("fwd", "lhs"), ("fwd", "rhs"), ("fwd", "out"), ("bwd", "cotangent")
             ("bwd", "lhs"), ("bwd", "rhs"), ("bwd", "out"))
 
 
+def max_grid(cells, layers: list[str], columns: list) -> np.ndarray:
+  """values[layer, column]: the max of the values of `cells` ((layer, column, value)
+  triples; None values skipped) at each (layer, column) of the given labels, NaN where
+  there is none."""
+  values = np.full((len(layers), len(columns)), np.nan)
+  for layer, col, v in cells:
+    if v is None or col not in columns:
+      continue
+    i, j = layers.index(layer), columns.index(col)
+    values[i, j] = v if np.isnan(values[i, j]) else max(values[i, j], v)
+  return values
+
+
+def layer_of(scope: str | None) -> str:
+  return scope or "(root)"
+
+
 def grid(rows, statistic: str) -> tuple[list[str], list[str], np.ndarray]:
   """(layer labels, column labels, values[layer, column]): the max of `statistic` over the
   rows of each (scope, direction, role), NaN where a layer has no such tensor. Layers are
   in order of their first GEMM."""
-  scopes: list[str] = []
-  for r in rows:
-    if (r.scope or "(root)") not in scopes:
-      scopes.append(r.scope or "(root)")
+  scopes = list(dict.fromkeys(layer_of(r.scope) for r in rows))
   cols = [c for c in _COLUMNS if any((r.direction, r.role) == c for r in rows)]
-  values = np.full((len(scopes), len(cols)), np.nan)
-  for r in rows:
-    i, key = scopes.index(r.scope or "(root)"), (r.direction, r.role)
-    if key in cols:
-      j = cols.index(key)
-      v = getattr(r, statistic)
-      values[i, j] = v if np.isnan(values[i, j]) else max(values[i, j], v)
+  values = max_grid(((layer_of(r.scope), (r.direction, r.role), getattr(r, statistic))
+                     for r in rows), scopes, cols)
   return scopes, [f"{d} {role}" for d, role in cols], values
 
 

@@ -117,6 +117,38 @@ DEFAULT_THRESHOLDS = {"nonfinite": 0.0, "overflow": 0.0, "underflow": 0.01}
 # Overflow before non-finite: the layer that overflows comes before the ones its
 # inf or NaN flows into.
 _ORDER = ("overflow", "nonfinite", "underflow", "subnormal", "sqnr_db")
+# The order a row's statistics are checked against thresholds in (the same reason).
+_CHECK_ORDER = ("overflow", "nonfinite", "underflow", "subnormal", "saturated", "sqnr_db")
+
+
+def crossing(get, thresholds: Mapping[str, float]) -> tuple[str, float] | None:
+  """(statistic, value) of the first statistic of one row crossing its threshold:
+  above it (below it for the SQNRs), checked in the order overflow, nonfinite,
+  underflow, subnormal, saturated, sqnr_db, then any other in the thresholds' order;
+  None when none crosses. `get(name)` reads the row's value (None or NaN: not measured,
+  never crosses)."""
+  rank = lambda n: _CHECK_ORDER.index(n) if n in _CHECK_ORDER else len(_CHECK_ORDER)
+  for name in sorted(thresholds, key=rank):
+    v, t = get(name), thresholds[name]
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+      continue
+    if (v < t) if name in LOWER_IS_WORSE else (v > t):
+      return name, v
+  return None
+
+
+def badness(get) -> tuple:
+  """Sort key of one row, worst first when sorted ascending: overflow, nonfinite,
+  underflow, subnormal (highest first), then sqnr_db (lowest first). `get(name)` reads
+  the row's value; a missing one (None) counts as 0 (+inf for sqnr_db)."""
+  key = []
+  for s in _ORDER:
+    v = get(s)
+    if s in LOWER_IS_WORSE:
+      key.append(math.inf if v is None else v)
+    else:
+      key.append(-(v or 0.0))
+  return tuple(key)
 
 
 def _check_statistic(name: Any) -> str:
@@ -128,8 +160,7 @@ def _check_statistic(name: Any) -> str:
 def _badness(row: TensorStats, by: str | None) -> tuple:
   """Sort key, worst first when sorted ascending."""
   if by is None:
-    return tuple(getattr(row, s) if s in LOWER_IS_WORSE else -getattr(row, s)
-                 for s in _ORDER) + (row.index,)
+    return badness(lambda s: getattr(row, s)) + (row.index,)
   v = getattr(row, by)
   return (v if by in LOWER_IS_WORSE else -v, row.index)
 
@@ -210,10 +241,8 @@ class NumericsReport:
       if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t):
         raise ValueError(f"Threshold for {name!r} is {t!r}; accepted: a real number")
     for r in self.rows:
-      for name, t in thresholds.items():
-        v = getattr(r, name)
-        if (v < t) if name in LOWER_IS_WORSE else (v > t):
-          return r
+      if crossing(lambda name: getattr(r, name), thresholds) is not None:
+        return r
     return None
 
   def table(self, worst: int | None = 20, by: str | None = None) -> str:

@@ -17,38 +17,22 @@ from typing import Mapping
 
 import numpy as np
 
+from precision.numerics import _heatmap
+from precision.numerics import _report
 from precision.numerics._report import DEFAULT_THRESHOLDS, LOWER_IS_WORSE
 from precision.study import _cells
 
-# The order of statistics within one row: overflow before non-finite (the op that
-# overflows comes before the ones its inf flows into).
-_CHECK_ORDER = ("overflow", "nonfinite", "underflow", "subnormal", "saturated", "sqnr_db")
-
-
-def _crosses(row: dict, name: str, t: float) -> bool:
-  v = row.get(name)
-  if v is None or (isinstance(v, float) and math.isnan(v)):
-    return False
-  return v < t if name in LOWER_IS_WORSE else v > t
-
-
 def first_anomaly(records: list[dict], thresholds: Mapping[str, float]) -> dict | None:
-  """{"step", "row", "statistic", "value", "threshold"} of the first crossing, or None."""
-  names = sorted(thresholds, key=lambda n: _CHECK_ORDER.index(n)
-                 if n in _CHECK_ORDER else len(_CHECK_ORDER))
+  """{"step", "row", "statistic", "value", "threshold"} of the first crossing, or None
+  (precision.numerics' `crossing`, on the rows of the records in step order)."""
   for rec in sorted(records, key=lambda r: r["step"]):
     for row in rec["rows"]:
-      for name in names:
-        if _crosses(row, name, thresholds[name]):
-          return {"step": rec["step"], "row": row, "statistic": name,
-                  "value": row[name], "threshold": thresholds[name]}
+      hit = _report.crossing(row.get, thresholds)
+      if hit is not None:
+        name, value = hit
+        return {"step": rec["step"], "row": row, "statistic": name,
+                "value": value, "threshold": thresholds[name]}
   return None
-
-
-def _badness(row: dict) -> tuple:
-  return tuple((row.get(s) or 0.0) if s in LOWER_IS_WORSE else -(row.get(s) or 0.0)
-               for s in ("overflow", "nonfinite", "underflow", "subnormal")) + (
-                   row.get("sqnr_db") if row.get("sqnr_db") is not None else math.inf,)
 
 
 def _monitor(records: list[dict], kind: str) -> tuple[float | None, float | None]:
@@ -81,7 +65,7 @@ def summarize(out: str, cfg, thresholds: Mapping[str, float] | None = None) -> d
       first = {**fa, "seed": seed, "seeds_with_anomaly": len(firsts)}
     seed0 = min(per_seed)
     last = per_seed[seed0][-1]
-    worst = sorted(last["rows"], key=_badness)[:5]
+    worst = sorted(last["rows"], key=lambda r: _report.badness(r.get))[:5]
     monitors = {k: _monitor(per_seed[seed0], k) for k in (
         "logit_max", "log_z_absmax", "update_lost", "adam_rms_g2_over_v",
         "update_to_param")}
@@ -157,21 +141,13 @@ _PANELS = (("fwd", "underflow"), ("bwd", "underflow"), ("fwd", "overflow"),
 def grid(records: list[dict], direction: str, statistic: str):
   """(layers, steps, values[layer, step]): the max of `statistic` over the rows of each
   layer (scope) in `direction`, per telemetry step; NaN where none."""
-  layers: list[str] = []
-  for rec in records:
-    for r in rec["rows"]:
-      if (r.get("scope") or "(root)") not in layers:
-        layers.append(r.get("scope") or "(root)")
+  layers = list(dict.fromkeys(_heatmap.layer_of(r.get("scope"))
+                              for rec in records for r in rec["rows"]))
   steps = [rec["step"] for rec in records]
-  values = np.full((len(layers), len(steps)), np.nan)
-  for j, rec in enumerate(records):
-    for r in rec["rows"]:
-      v = r.get(statistic)
-      if r["direction"] != direction or v is None:
-        continue
-      i = layers.index(r.get("scope") or "(root)")
-      values[i, j] = v if np.isnan(values[i, j]) else max(values[i, j], v)
-  return layers, steps, values
+  cells = ((_heatmap.layer_of(r.get("scope")), j, r.get(statistic))
+           for j, rec in enumerate(records) for r in rec["rows"]
+           if r["direction"] == direction)
+  return layers, steps, _heatmap.max_grid(cells, layers, list(range(len(steps))))
 
 
 def write_heatmaps(out: str, cfg) -> list[str]:
