@@ -182,3 +182,32 @@ def test_plan_shows_and_rebinds_directional_overrides():
   p, x, c = _args()
   with pytest.raises(ValueError, match="'l9'.*matched no scope"):
     mp.autocast(loss, "f16_mixed", overrides={"l9": {"bwd": F32}})(p, x, c)
+
+
+def test_nnx_model_marked_with_directional_overrides():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l0 = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l0(x)
+
+  x = jnp.ones((2, 4), jnp.float32)
+  plan = mp.bind("f16_mixed", overrides={"l0": {"bwd": F32}})
+  model = mp.flax.apply_recipe(Net(nnx.Rngs(0)), plan)
+  assert model.l0.kernel[...].dtype == jnp.float32   # the "fwd" (here: base) param dtype
+  # Under the same plan the trace applies the directions itself.
+  sigs = [g.signature() for g in lowered_gemms(jax.export.export(
+      jax.jit(lambda x: jax.grad(lambda x: jnp.sum(jnp.tanh(mp.autocast(
+          lambda m, x: m(x), plan)(model, x))))(x)), platforms=["cuda"])(x))]
+  assert sigs == [("f16", "f16", "f32"), ("f32", "f32", "f32")]
+  # Called directly, the marked model runs under its plan: the same GEMMs.
+  sigs = [g.signature() for g in lowered_gemms(jax.export.export(jax.jit(jax.grad(
+      lambda x: jnp.sum(jnp.tanh(model(x))))), platforms=["cuda"])(x))]
+  assert sigs == [("f16", "f16", "f32"), ("f32", "f32", "f32")]
+  # A trace without overrides of a model it closes over would adopt them per module,
+  # which has no direction.
+  with pytest.raises(ValueError, match="direction-specific overrides"):
+    mp.autocast(lambda x: model(x), "f16_mixed")(x)

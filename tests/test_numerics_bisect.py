@@ -366,3 +366,12 @@ def test_study_cell_is_bisected_from_its_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="another run.*seed"):
       mp.numerics.bisect(task, F16_NO_SCALE, checkpoint=ckpt, seed=0, steps=REPLAY,
                          tolerance=TOL)
+
+
+def test_study_overrides_keep_the_direction_bisect_leaves_out():
+  from precision.numerics import _bisect_task
+  study = {"l0": "p=f32,c=bf16,o=f32", "head": "p=f32,c=f32,o=f32"}
+  got = _bisect_task._merged(study, {"l0": {"bwd": "p=f32,c=f32,o=f32"}, "l1": "f32"})
+  assert got == {"l0": {"fwd": "p=f32,c=bf16,o=f32", "bwd": "p=f32,c=f32,o=f32"},
+                 "head": "p=f32,c=f32,o=f32", "l1": "f32"}
+  assert _bisect_task._merged(study, None) == study
