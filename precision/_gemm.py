@@ -19,6 +19,13 @@ The backward GEMMs reuse JAX's own transpose rules for dot_general and
 conv_general_dilated (private functions, reached through precision._compat), called with a
 compute-dtype cotangent and `preferred_element_type=float32`; that keeps layouts, dimension numbers and padding
 exactly those of JAX's automatic transpose.
+
+The backward GEMMs may take another compute dtype than the forward one (`backward_dtype`:
+a direction-specific autocast override). The residuals are then the operands themselves
+(rounded to the backward dtype when that is narrower than theirs), never the forward's
+compute-dtype copies: an f32 backward of a bf16 forward multiplies the f32 weights, not
+their bf16 roundings. A backward in f32 (or wider) runs as JAX's own transpose would:
+operands, cotangent and accumulation in that dtype, at the GEMM's `precision`.
 """
 
 from __future__ import annotations
@@ -109,41 +116,84 @@ def _cpu_runs_natively(a, b, dimension_numbers) -> bool:
 def _operand_grads(t_lhs, t_rhs, gc, lc, rc, lhs_dtype, rhs_dtype, kw):
   """Both operand cotangents of a GEMM-like op from JAX's transpose rules `t_lhs`/`t_rhs`
   (`dot_general` or `conv_general_dilated`): compute-dtype cotangent `gc` against the
-  compute-dtype residual operands `lc`, `rc`, f32 accumulation (in `kw`), returned in the
-  operands' own dtypes."""
+  compute-dtype residual operands `lc`, `rc`, accumulation `kw["preferred_element_type"]`
+  (f32 below f32), returned in the operands' own dtypes."""
   ul, ur = _Undefined(_target_aval(lc, lhs_dtype)), _Undefined(_target_aval(rc, rhs_dtype))
-  dl = _on_platform(lambda g_, r_: t_lhs(g_, ul, r_, **kw), gc, rc)
-  dr = _on_platform(lambda g_, l_: t_rhs(g_, l_, ur, **kw), gc, lc)
+  narrow = _below_f32(np.dtype(gc.dtype))
+  run = _on_platform if narrow else (lambda fn, a, b: fn(a, b))
+  dl = run(lambda g_, r_: t_lhs(g_, ul, r_, **kw), gc, rc)
+  dr = run(lambda g_, l_: t_rhs(g_, l_, ur, **kw), gc, lc)
   return dl, dr
+
+
+def _below_f32(dtype: np.dtype) -> bool:
+  return dtype.itemsize < _F32.itemsize
+
+
+def _accumulator(compute: np.dtype) -> np.dtype:
+  """f32 accumulation below f32; an f32 (or wider) GEMM accumulates in its own dtype."""
+  return _F32 if _below_f32(compute) else compute
+
+
+def _residuals(operands, compute: np.dtype, backward: np.dtype, cast):
+  """What the forward keeps for the backward GEMMs: the compute-dtype operands `cast`
+  (the forward's own) when both directions compute in one dtype; else each operand
+  rounded to `backward`, or as it is when narrower than `backward` (the backward's cast
+  of it is exact then, and the narrower copy is the smaller one)."""
+  if backward == compute:
+    return cast
+  return tuple(x if np.dtype(x.dtype).itemsize < backward.itemsize else x.astype(backward)
+               for x in operands)
+
+
+def _result(acc, out_dtype: np.dtype, backward: np.dtype):
+  """The GEMM's result: the accumulator rounded to `out_dtype`. A backward computing
+  wider than `out_dtype` gets the result in the wider dtype (the same values, rounded to
+  `out_dtype`): JAX gives a value's cotangent the value's dtype, so an `out_dtype` result
+  would round the cotangent to `out_dtype` before the backward GEMMs see it (an f32
+  backward of an f16 GEMM would multiply an f16 cotangent). The ops that consume it then
+  see a wider operand (mixed with narrow values they promote, as autocast's promoting ops
+  do)."""
+  y = acc.astype(out_dtype)
+  wide = wider_float(out_dtype, backward)
+  return y if wide == out_dtype else y.astype(wide)
 
 
 # ----------------------------------------------------------------------------- dot_general
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+class _Backward(NamedTuple):
+  """The backward GEMMs' compute dtype and precision (hashable: a nondiff argument)."""
+  compute: np.dtype
+  precision: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
 def _dot(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
-         out_sharding):
+         out_sharding, bwd):
   return _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
-                  out_sharding)[0]
+                  out_sharding, bwd)[0]
 
 
 def _dot_fwd(x, w, dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
-             out_sharding):
+             out_sharding, bwd):
   xc, wc = x.astype(compute), w.astype(compute)
   mm = lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision,
-                                    preferred_element_type=_F32, out_sharding=out_sharding)
-  out = _on_platform(mm, xc, wc, dimension_numbers)
-  # Residuals in the compute dtype: half the bytes of f32 copies.
-  return out.astype(out_dtype), (xc, wc)
+                                    preferred_element_type=_accumulator(compute),
+                                    out_sharding=out_sharding)
+  out = _on_platform(mm, xc, wc, dimension_numbers) if _below_f32(compute) else mm(xc, wc)
+  # Residuals in the compute dtype when the backward shares it: half the bytes of f32.
+  return (_result(out, out_dtype, bwd.compute),
+          _residuals((x, w), compute, bwd.compute, (xc, wc)))
 
 
 def _dot_bwd(dimension_numbers, precision, compute, x_dtype, w_dtype, out_dtype,
-             out_sharding, res, g):
-  del out_dtype, out_sharding  # the transposes take their shardings from the operands
-  xc, wc = res
-  gc = g.astype(compute)  # round the cotangent once: both GEMMs below are compute x compute
-  kw = dict(dimension_numbers=dimension_numbers, precision=precision,
-            preferred_element_type=_F32, out_sharding=None)
+             out_sharding, bwd, res, g):
+  del precision, compute, out_dtype, out_sharding  # shardings: from the operands
+  xc, wc = (r.astype(bwd.compute) for r in res)
+  gc = g.astype(bwd.compute)  # round the cotangent once: both GEMMs are compute x compute
+  kw = dict(dimension_numbers=dimension_numbers, precision=bwd.precision,
+            preferred_element_type=_accumulator(bwd.compute), out_sharding=None)
   return _operand_grads(_compat.dot_general_transpose_lhs,
                         _compat.dot_general_transpose_rhs, gc, xc, wc, x_dtype, w_dtype, kw)
 
@@ -165,8 +215,20 @@ def _check_compute(compute: np.dtype) -> None:
         "'fp8_hybrid'), precision.Fp8Config) instead of an fp8 compute dtype")
 
 
+_SAME = object()   # backward_precision default: the forward's `precision`
+
+
+def _backward(compute: np.dtype, backward_dtype: Any, precision, backward_precision
+              ) -> _Backward:
+  bwd = compute if backward_dtype is None else np.dtype(backward_dtype)
+  _check_compute(bwd)
+  return _Backward(bwd, precision if backward_precision is _SAME else backward_precision)
+
+
 def policy_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, compute_dtype: Any,
-                       precision=None, out_sharding=None, out_dtype: Any = None) -> jax.Array:
+                       precision=None, out_sharding=None, out_dtype: Any = None, *,
+                       backward_dtype: Any = None, backward_precision: Any = _SAME
+                       ) -> jax.Array:
   """`lax.dot_general` with both operands in `compute_dtype` and f32 accumulation.
 
   Forward: cast lhs/rhs to `compute_dtype`, `dot_general(..., preferred_element_type=f32)`,
@@ -182,20 +244,29 @@ def policy_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, comput
       needs scaling: precision.fp8).
     out_sharding: as `lax.dot_general` (explicit sharding).
     out_dtype: the result dtype (e.g. f32 to keep the accumulator); default compute_dtype.
+    backward_dtype: operand dtype of the two gradient GEMMs (default compute_dtype); f32
+      there runs them as JAX's transpose of an f32 GEMM (f32 cotangent, f32 operands:
+      the original ones, not their compute-dtype roundings). An f32 `compute_dtype` with
+      a narrower `backward_dtype` is an f32 forward with narrow gradient GEMMs.
+    backward_precision: `precision` of the gradient GEMMs (default: `precision`).
   Returns:
-    An array of `out_dtype`.
+    An array of `out_dtype`; with a `backward_dtype` wider than `out_dtype`, an array of
+    the wider dtype holding the result rounded to `out_dtype` (so that its cotangent
+    reaches the backward GEMMs unrounded).
   """
   compute = np.dtype(compute_dtype)
   _check_compute(compute)
   out = compute if out_dtype is None else np.dtype(out_dtype)
   dims = _canonical_dims(dimension_numbers)
-  if compute.itemsize >= _F32.itemsize:
+  bwd = _backward(compute, backward_dtype, precision, backward_precision)
+  if not _below_f32(compute) and not _below_f32(bwd.compute) and (
+      bwd.compute == compute and bwd.precision == precision):
     # f32 (or wider) compute: JAX's own rules already run every GEMM in `compute`.
     res = lax.dot_general(lhs.astype(compute), rhs.astype(compute), dims, precision=precision,
                           preferred_element_type=compute, out_sharding=out_sharding)
     return res.astype(out)
   return _dot(lhs, rhs, dims, precision, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-              out, out_sharding)
+              out, out_sharding, bwd)
 
 
 # ----------------------------------------------------------------------------- convolution
@@ -238,24 +309,27 @@ def _conv_call(lhs, rhs, params: _ConvParams, preferred, out_sharding=None):
                                   preferred_element_type=preferred, out_sharding=out_sharding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _conv(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _conv(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding, bwd):
   return _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype,
-                   out_sharding)[0]
+                   out_sharding, bwd)[0]
 
 
-def _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding):
+def _conv_fwd(lhs, rhs, params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding,
+              bwd):
   lc, rc = lhs.astype(compute), rhs.astype(compute)
-  cv = lambda a, b: _conv_call(a, b, params, _F32, out_sharding)
-  out = _on_platform(cv, lc, rc)
-  return out.astype(out_dtype), (lc, rc)
+  cv = lambda a, b: _conv_call(a, b, params, _accumulator(compute), out_sharding)
+  out = _on_platform(cv, lc, rc) if _below_f32(compute) else cv(lc, rc)
+  return (_result(out, out_dtype, bwd.compute),
+          _residuals((lhs, rhs), compute, bwd.compute, (lc, rc)))
 
 
-def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding, res, g):
-  del out_dtype, out_sharding
-  lc, rc = res
-  gc = g.astype(compute)  # compute x compute backward convolutions, f32 accumulation
-  kw = dict(params._asdict(), preferred_element_type=_F32, out_sharding=None)
+def _conv_bwd(params, compute, lhs_dtype, rhs_dtype, out_dtype, out_sharding, bwd, res, g):
+  del compute, out_dtype, out_sharding
+  lc, rc = (r.astype(bwd.compute) for r in res)
+  gc = g.astype(bwd.compute)  # compute x compute backward convolutions
+  kw = dict(params._replace(precision=bwd.precision)._asdict(),
+            preferred_element_type=_accumulator(bwd.compute), out_sharding=None)
   return _operand_grads(_compat.conv_transpose_lhs,
                         _compat.conv_transpose_rhs, gc, lc, rc, lhs_dtype,
                         rhs_dtype, kw)
@@ -265,16 +339,21 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def policy_conv(lhs: jax.Array, rhs: jax.Array, params: _ConvParams, compute_dtype: Any,
-                out_dtype: Any = None, out_sharding=None) -> jax.Array:
-  """The policy convolution for canonical `params` (see policy_conv_general_dilated)."""
+                out_dtype: Any = None, out_sharding=None, *, backward_dtype: Any = None,
+                backward_precision: Any = _SAME) -> jax.Array:
+  """The policy convolution for canonical `params` (see policy_conv_general_dilated;
+  `backward_dtype`, `backward_precision`: as policy_dot_general's, the latter default
+  `params.precision`)."""
   compute = np.dtype(compute_dtype)
   _check_compute(compute)
   out = compute if out_dtype is None else np.dtype(out_dtype)
-  if compute.itemsize >= _F32.itemsize:
+  bwd = _backward(compute, backward_dtype, params.precision, backward_precision)
+  if not _below_f32(compute) and not _below_f32(bwd.compute) and (
+      bwd.compute == compute and bwd.precision == params.precision):
     return _conv_call(lhs.astype(compute), rhs.astype(compute), params, compute,
                       out_sharding).astype(out)
   return _conv(lhs, rhs, params, compute, np.dtype(lhs.dtype), np.dtype(rhs.dtype), out,
-               out_sharding)
+               out_sharding, bwd)
 
 
 def policy_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, padding,

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from precision._autocast import _overrides
 from precision._autocast._api import AutocastSpec
 from precision._policy import Policy
 from precision._recipe import PRESETS, Fp8Config, Recipe, get_recipe
@@ -77,9 +78,10 @@ class Plan:
     return self.autocast_spec.fp32_ops
 
   @property
-  def overrides(self) -> dict[Any, Policy]:
-    """{path pattern or module type: Policy}, in the order given to `bind`."""
-    return {r.key: r.policy for r in self.autocast_spec.rules}
+  def overrides(self) -> dict[Any, Any]:
+    """{path pattern or module type: Policy, or {"fwd": Policy, "bwd": Policy} for a
+    direction-specific override (the keys given)}, in the order given to `bind`."""
+    return _overrides.as_mapping(self.autocast_spec.rules)
 
   def memory_ledger(self, inner: str = "adamw") -> dict[str, float]:
     """Bytes per parameter of each persistent tensor (`precision.optim.memory_ledger`)."""
@@ -112,7 +114,8 @@ def bind(recipe: Recipe | str, overrides: Mapping[Any, Any] | None = None,
   Args:
     recipe: a Recipe or a preset name ("bf16_mixed"). A Plan is refused: it is bound.
     overrides: {path pattern or module type: policy}, as `precision.autocast` takes them
-      ({"*head*": "f32"}): another policy for part of the model.
+      ({"*head*": "f32"}, or direction-specific {"l0": {"bwd": "f32"}}): another policy
+      for part of the model.
     fp32_ops: op names kept in f32 (default: the recipe's `fp32_ops`).
 
   Returns:

@@ -1,7 +1,8 @@
-"""precision.numerics.bisect: seeded faults in one layer of a 4-layer MLP found from a
-checkpoint saved before the divergence, within the stated replay bound, with a baseline
-bit-identical to the original run; a divergence no single layer explains, one no layer
-explains, checkpoints of other runs, and bad arguments refused."""
+"""precision.numerics.bisect: seeded faults in one direction of one layer of a 4-layer MLP
+(8 groups: each layer's forward and backward GEMMs) found from a checkpoint saved before
+the divergence, within the stated replay bound, with a baseline bit-identical to the
+original run; a divergence no single group explains, one no group explains, checkpoints
+of other runs, and bad arguments refused."""
 
 import math
 
@@ -23,7 +24,10 @@ TOL = 2e-3   # promoted culprits reach <= 8e-4, the diverged baselines >= 8e-3
 F16_NO_SCALE = mp.Recipe("f16_no_scale", "p=f32,c=f16,o=f32",
                          allow_f16_without_loss_scale=True)
 GRAD_SCALE = 1e-8   # a cotangent of ~1e-2 becomes ~1e-10, below f16's 6e-8 subnormal
-BIG = 1e5           # a kernel 1e5 times too large: its f16 GEMM output passes 65504
+BIG = 1e5           # the unscoped GEMM's kernel 1e5 times too large (it passes 65504)
+WIDE = 300.0        # a layer's input and kernel both 300 times too large: the operands
+                    # fit in f16, their GEMM's output (~9e4 times too large) does not
+GROUPS = tuple(f"{name}:{d}" for name in LAYERS for d in ("fwd", "bwd"))
 
 
 def _grad_scaled(y, s):
@@ -33,10 +37,11 @@ def _grad_scaled(y, s):
 
 def make_loss(tiny_grad=(), big=(), unscoped_big=False):
   """A 4-layer MLP, layer i in jax.named_scope(f"l{i}"). Layers in `tiny_grad` scale the
-  cotangent of their output by GRAD_SCALE (forward unchanged); layers in `big` have their
-  kernel multiplied by BIG and their output by 1/BIG (the same function in exact
-  arithmetic: the f16 GEMM result overflows); `unscoped_big` adds such a GEMM outside
-  any scope before the head."""
+  cotangent of their output by GRAD_SCALE (forward unchanged: the f16 backward GEMMs see
+  an underflowing cotangent); layers in `big` multiply their input and their kernel by
+  WIDE and their output by 1/WIDE**2 (the same function in exact arithmetic: the f16
+  forward GEMM's result overflows, its backward GEMMs stay in range); `unscoped_big` adds
+  a GEMM outside any scope before the head whose kernel is BIG times too large."""
 
   def loss(params, batch):
     h = batch["x"]
@@ -46,7 +51,7 @@ def make_loss(tiny_grad=(), big=(), unscoped_big=False):
       with jax.named_scope(name):
         w, b = params[name]["w"], params[name]["b"]
         if name in big:
-          h = (h @ (w * BIG)) * (1.0 / BIG) + b
+          h = ((h * WIDE) @ (w * WIDE)) * (1.0 / WIDE ** 2) + b
         else:
           h = h @ w + b
         if name in tiny_grad:
@@ -139,30 +144,37 @@ def test_underflowing_backward_cotangent_is_found(tmp_path):
   loss = make_loss(tiny_grad=("l0",))
   run = original_run(tmp_path, loss, F16_NO_SCALE)
   result = run_bisect(*run[:1], F16_NO_SCALE, *run[1:], loss=loss)
-  assert result.groups == LAYERS
+  assert result.groups == GROUPS
   assert result.baseline_bit_identical is True and result.baseline_mismatch is None
-  assert result.diverged and result.single and result.culprits == ("l0",)
-  # Halving {l0, l1} passes, then {l0} alone passes: no verifying replay.
-  assert [r.kind for r in result.replays] == ["baseline", "reference", "halve", "halve"]
-  assert result.n_replays == math.ceil(math.log2(len(LAYERS))) + 2
-  assert [r.kind for r in result.replays[:2]] == ["baseline", "reference"]
-  fixed = [r for r in result.replays if r.promoted == ("l0",)]
+  assert result.diverged and result.single and result.culprits == ("l0:bwd",)
+  # Halving {l0, l1} passes, {l0} passes, {l0:fwd} fails: l0:bwd is inferred, so it is
+  # replayed alone; the worst case of the bound.
+  assert [r.kind for r in result.replays] == [
+      "baseline", "reference", "halve", "halve", "halve", "verify"]
+  assert [r.promoted for r in result.replays[2:]] == [
+      GROUPS[:4], ("l0:fwd", "l0:bwd"), ("l0:fwd",), ("l0:bwd",)]
+  assert result.n_replays == single_bound(len(GROUPS))
+  forward_only = result.replays[4]
+  assert not forward_only.within and forward_only.max_gap > TOL
+  fixed = [r for r in result.replays if r.promoted == ("l0:bwd",)]
   assert fixed and fixed[0].within and fixed[0].max_gap <= TOL < result.replays[0].max_gap
   worst = result.telemetry[0]
   assert (worst.scope, worst.direction, worst.role, worst.dtype) == (
       "l0", "bwd", "cotangent", "float16")
   assert worst.underflow > 0.9
+  # Only backward rows: l0's forward tensors are fine.
+  assert all(r.direction == "bwd" and r.scope == "l0" for r in result.telemetry)
   text = str(result)
-  assert "bit-identical" in text and "'l0'" in text
+  assert "bit-identical" in text and "layer 'l0' backward GEMMs: promoting them" in text
   assert "l0, backward GEMM cotangent, float16:" in text and "underflow" in text
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layer,kinds", [
-    # {l0, l1} fails, {l2} passes: found by halving alone.
-    ("l2", ["halve", "halve"]),
-    # {l0, l1} fails, {l2} fails: l3 is only inferred, so it is replayed alone.
-    ("l3", ["halve", "halve", "verify"]),
+    # {l0, l1} fails, {l2} passes, {l2:fwd} passes: found by halving alone.
+    ("l2", ["halve", "halve", "halve"]),
+    # {l0, l1} fails, {l2} fails, {l3:fwd} passes.
+    ("l3", ["halve", "halve", "halve"]),
 ])
 def test_overflowing_activation_is_found(tmp_path, layer, kinds):
   # f16 with dynamic loss scaling: the forward overflow of `layer` makes every loss
@@ -173,13 +185,14 @@ def test_overflowing_activation_is_found(tmp_path, layer, kinds):
   result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
   assert not np.isfinite(run[-1]).any()
   assert result.baseline_bit_identical is True   # inf and NaN compared bit for bit
-  assert result.culprits == (layer,) and result.single
+  assert result.culprits == (f"{layer}:fwd",) and result.single
   assert [r.kind for r in result.replays] == ["baseline", "reference"] + kinds
-  assert result.n_replays <= single_bound(len(LAYERS))
+  assert result.n_replays == single_bound(len(GROUPS)) - 1  # the last halving passed
+  assert all(r.direction == "fwd" and r.scope == layer for r in result.telemetry)
   worst = result.telemetry[0]
   assert (worst.scope, worst.direction, worst.dtype) == (layer, "fwd", "float16")
   assert worst.overflow > 0
-  assert "overflow" in str(result)
+  assert f"layer '{layer}' forward GEMMs" in str(result) and "overflow" in str(result)
 
 
 @pytest.mark.slow
@@ -188,14 +201,16 @@ def test_two_layers_needed_no_false_culprit(tmp_path):
   loss = make_loss(big=("l1", "l3"))
   run = original_run(tmp_path, loss, recipe)
   result = run_bisect(*run[:1], recipe, *run[1:], loss=loss)
-  assert not result.single and result.culprits == ("l1", "l3")
+  assert not result.single and result.culprits == ("l1:fwd", "l3:fwd")
   for r in result.replays:   # no single group passed
     if len(r.promoted) == 1:
       assert not r.within
   assert [r.kind for r in result.replays] == (
-      ["baseline", "reference", "halve", "halve", "verify", "all"] + ["shrink"] * 4)
+      ["baseline", "reference", "halve", "halve", "halve", "verify", "all"]
+      + ["shrink"] * len(GROUPS))
   assert "no single group explains it" in str(result)
-  n = len(LAYERS)
+  assert "'l1' forward GEMMs + 'l3' forward GEMMs" in str(result)
+  n = len(GROUPS)
   assert result.n_replays <= math.ceil(math.log2(n)) + n + 4
 
 
@@ -243,7 +258,8 @@ def test_baseline_mismatch_is_reported(tmp_path):
                       groups=["l0", "l1"])
   assert result.baseline_bit_identical is False
   assert result.baseline_mismatch.startswith("replayed step 3")
-  assert result.groups == ("l0", "l1") and result.culprits == ("l0",)
+  assert result.groups == ("l0:fwd", "l0:bwd", "l1:fwd", "l1:bwd")
+  assert result.culprits == ("l0:bwd",)
   assert "NOT bit-identical" in str(result)
 
 
@@ -263,6 +279,8 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     (dict(steps=0), "steps=0"), (dict(steps=-2), "steps=-2"),
     (dict(tolerance=-1e-3), "tolerance=-0.001"), (dict(tolerance=math.nan), "tolerance=nan"),
     (dict(groups=[]), "groups=.. is empty"), (dict(groups="l0"), "groups='l0'"),
+    (dict(groups=["l0", "l0:bwd"]), "repeats a scope or a direction"),
+    (dict(groups=[":bwd"]), "groups holds ':bwd'"),
 ])
 def test_bad_arguments(kw, match):
   loss = make_loss()
@@ -284,12 +302,28 @@ def test_loss_without_scoped_gemms_is_refused():
                        tolerance=1e-3, loss=flat)
 
 
-@pytest.mark.slow
 def test_overrides_promote_exactly_the_group():
   recipe = mp.get_recipe("bf16_mixed")
-  got = _bisect.overrides_for(["blocks/0"], ["blocks/0", "blocks/0/mlp", "blocks/1"],
-                              recipe)
-  assert got == {"blocks/0": "p=f32,c=f32,o=f32", "blocks/0/mlp": "p=f32,c=bf16,o=f32"}
+  up, base = "p=f32,c=f32,o=f32", "p=f32,c=bf16,o=f32"
+  scopes = ["blocks/0", "blocks/0/mlp", "blocks/1"]
+  # A plain scope is both directions: the plain f32 policy.
+  got = _bisect.overrides_for(["blocks/0"], scopes, recipe)
+  assert got == {"blocks/0": up, "blocks/0/mlp": base}
+  assert _bisect.overrides_for(["blocks/0:fwd", "blocks/0:bwd"], scopes, recipe) == got
+  # One direction: a direction-specific rule; the nested group keeps the recipe's policy
+  # in that direction only (the other falls through to the enclosing rule, i.e. none).
+  got = _bisect.overrides_for(["blocks/0:bwd"], scopes, recipe)
+  assert got == {"blocks/0": {"bwd": up}, "blocks/0/mlp": {"bwd": base}}
+  got = _bisect.overrides_for(["blocks/0:bwd", "blocks/0/mlp:fwd"], scopes, recipe)
+  assert got == {"blocks/0": {"bwd": up}, "blocks/0/mlp": {"fwd": up, "bwd": base}}
+  assert _bisect.overrides_for(["blocks/0:fwd"], _bisect.expand(scopes)[:3], recipe) == {
+      "blocks/0": {"fwd": up}, "blocks/0/mlp": {"fwd": base}}
+  assert _bisect.expand(["a", "b:bwd"]) == ("a:fwd", "a:bwd", "b:bwd")
+  assert _bisect.split_group("x:y:bwd") == ("x:y", "bwd")
+  assert _bisect.split_group("x:y") == ("x:y", None)
+  assert _bisect.describe_group("l0:fwd") == "'l0' forward GEMMs"
+  # The overrides bind (and parse back to the same rules).
+  mp.bind(recipe, overrides=got)
   assert _bisect.literal("a*/b[1]") == "a[*]/b[[]1[]]"
   with pytest.raises(ValueError, match="computes in f32 already"):
     _bisect.f32_counterpart(mp.get_recipe("fp32"))
@@ -321,7 +355,8 @@ def test_study_cell_is_bisected_from_its_checkpoint(tmp_path):
     # The original losses are the cell's steps.jsonl; the replay uses the study's step
     # and the task's stream advanced to the checkpoint's step.
     assert result.baseline_bit_identical is True
-    assert result.culprits == ("l0",) and result.n_replays == 3
+    # {l0} passes, {l0:fwd} fails, {l0:bwd} verified.
+    assert result.culprits == ("l0:bwd",) and result.n_replays == 5
     assert result.telemetry[0].role == "cotangent"
     with pytest.raises(ValueError, match="another run.*task digest"):
       mp.numerics.bisect(_task(init_seed_offset=7), F16_NO_SCALE, checkpoint=ckpt,
@@ -331,3 +366,12 @@ def test_study_cell_is_bisected_from_its_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="another run.*seed"):
       mp.numerics.bisect(task, F16_NO_SCALE, checkpoint=ckpt, seed=0, steps=REPLAY,
                          tolerance=TOL)
+
+
+def test_study_overrides_keep_the_direction_bisect_leaves_out():
+  from precision.numerics import _bisect_task
+  study = {"l0": "p=f32,c=bf16,o=f32", "head": "p=f32,c=f32,o=f32"}
+  got = _bisect_task._merged(study, {"l0": {"bwd": "p=f32,c=f32,o=f32"}, "l1": "f32"})
+  assert got == {"l0": {"fwd": "p=f32,c=bf16,o=f32", "bwd": "p=f32,c=f32,o=f32"},
+                 "head": "p=f32,c=f32,o=f32", "l1": "f32"}
+  assert _bisect_task._merged(study, None) == study

@@ -74,8 +74,8 @@ class AutocastSpec:
     text = (f"recipe {self.recipe.name!r} ({self.policy})" if self.recipe is not None
             else f"policy {str(self.policy)!r}")
     if self.rules:
-      shown = ", ".join(f"{_overrides.key_name(r.key)}: {str(r.policy)!r}"
-                        for r in self.rules)
+      shown = ", ".join(f"{_overrides.key_name(k)}: {_overrides.describe_value(v)}"
+                        for k, v in _overrides.as_mapping(self.rules).items())
       text += f", overrides {{{shown}}}"
     else:
       text += ", no overrides"
@@ -534,7 +534,14 @@ def autocast(fn: Callable, policy: Any,
       and fp32_ops: pass neither besides).
     overrides: {pattern or module type: policy}: fnmatch patterns on the scope an op was
       traced in ("blocks/0/mlp", "*lm_head*"; NNX module paths and jax.named_scope names);
-      the deepest matching scope decides. A pattern that matches no scope raises.
+      the deepest matching scope decides. A pattern that matches no scope raises. A value
+      {"fwd": policy, "bwd": policy} (either key optional) is direction-specific: "bwd"
+      sets the compute dtype of the scope's backward GEMMs (the gradient GEMMs of its
+      GEMMs, and GEMMs of a traced program's own backward pass), "fwd" the policy of
+      every other op there; a key left out falls through to the enclosing rule or the
+      base policy. E.g. {"l0": {"bwd": "p=f32,c=f32,o=f32"}} under "f16_mixed": l0's
+      forward GEMM is f16 x f16 -> f32, its two gradient GEMMs f32 x f32 -> f32 (on the
+      f32 cotangent and the operands themselves, not their f16 roundings).
     fp32_ops: op names kept in f32 (precision.DEFAULT_FP32_OPS, the recipe's by default).
     fp8_state: for a recipe with fp8 GEMMs: the scaling state is an explicit argument and
       result. The wrapped function is then ``g(state, *args, **kwargs) -> (out,

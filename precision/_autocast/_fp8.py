@@ -224,8 +224,10 @@ def decide(env, sites: list[Site], config, stateful: bool) -> list[Decision]:
       out.append(Decision(s, False, role[s.path]))
     elif pattern is not None:
       out.append(Decision(s, False, f"scope matches keep_high_precision pattern {pattern!r}"))
-    elif env.policy_at(s.scope) != env.policy:
-      out.append(Decision(s, False, f"an override sets its policy ({env.policy_at(s.scope)})"))
+    elif any(env.policy_at(s.scope, d) != env.policy for d in _overrides.DIRECTIONS):
+      pols = "/".join(dict.fromkeys(str(env.policy_at(s.scope, d))
+                                    for d in _overrides.DIRECTIONS))
+      out.append(Decision(s, False, f"an override sets its policy ({pols})"))
     elif not s.weight:
       out.append(Decision(s, False, "both operands are activations (attention's q.k, p.v): "
                           "no weight operand (compute dtype)"))

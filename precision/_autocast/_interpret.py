@@ -52,11 +52,14 @@ class Env:
       return scope[len(self.root) + 1:]
     return scope
 
-  def policy_at(self, scope: str) -> Policy:
-    if scope not in self._policies:
+  def policy_at(self, scope: str, direction: str = "fwd") -> Policy:
+    """The policy of the ops of `direction` in `scope`: "bwd" for backward GEMMs (its
+    compute dtype is all they read), "fwd" for every other op (see _overrides)."""
+    key = (scope, direction)
+    if key not in self._policies:
       result = self.policy
       for prefix in _overrides.scope_prefixes(scope):
-        rule = _overrides.match(self.rules, prefix, self.module_at.get(prefix))
+        rule = _overrides.match(self.rules, prefix, self.module_at.get(prefix), direction)
         if rule is not None:
           self.matched.add(rule.key)
           result = rule.policy
@@ -64,13 +67,17 @@ class Env:
         if prefix in self.module_policy:
           result = self.module_policy[prefix]
           break
-      self._policies[scope] = result
-    return self._policies[scope]
+      self._policies[key] = result
+    return self._policies[key]
+
+  def compute_at(self, scope: str, direction: str) -> np.dtype:
+    return np.dtype(self.policy_at(scope, direction).compute_dtype)
 
   def record(self, scope: str) -> None:
     if scope and scope not in self.seen_scopes:
       self.seen_scopes.add(scope)
-      self.policy_at(scope)  # marks the override rules this scope uses as matched
+      for direction in _overrides.DIRECTIONS:  # marks the rules this scope uses as matched
+        self.policy_at(scope, direction)
 
 
 def _join(prefix: str, stack: str) -> str:
@@ -175,22 +182,30 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
   if env.fp8 is not None and path in env.fp8.selected:
     return _fp8.dot(env, eqn, invals, path)
   if name in R.GEMMS:
-    plan = R.gemm_plan(eqn, dts[0], dts[1], env.policy_at(scope).compute_dtype, backward)
+    plan = _gemm_plan_at(env, eqn, dts, scope, backward)
     if plan is None:
       return _verbatim(eqn, invals)
     p = eqn.params
-    # The traced `precision` described the traced operands. The policy GEMM's operands
-    # are in the compute dtype with f32 accumulation, and it runs at DEFAULT precision: a
+    if R.as_written(plan.compute):
+      # An f32 forward with a narrow backward: the forward GEMM on its traced operands.
+      invals = cast_all(invals, traced_dtypes(eqn.invars))
+    # The traced `precision` described the traced operands. A policy GEMM below f32 has
+    # compute-dtype operands with f32 accumulation and runs at DEFAULT precision: a
     # DotAlgorithmPreset such as BF16_BF16_F32 (jax.nn.dot_product_attention's for bf16
     # inputs) kept on f16 operands would make XLA convert them back to bf16, and on
     # bf16/f16 operands with f32 accumulation every Precision computes the same products.
+    # A direction computing in f32 keeps the traced precision, as JAX's own transpose does.
+    fwd_prec = p.get("precision") if R.as_written(plan.compute) else None
+    bwd_prec = p.get("precision") if R.as_written(plan.backward) else None
     if name == "dot_general":
       return _gemm.policy_dot_general(
           invals[0], invals[1], p["dimension_numbers"], plan.compute,
-          precision=None, out_sharding=p.get("out_sharding"), out_dtype=plan.out)
+          precision=fwd_prec, out_sharding=p.get("out_sharding"), out_dtype=plan.out,
+          backward_dtype=plan.backward, backward_precision=bwd_prec)
     return _gemm.policy_conv(invals[0], invals[1],
-                             _gemm.conv_params_of(p)._replace(precision=None), plan.compute,
-                             plan.out, out_sharding=p.get("out_sharding"))
+                             _gemm.conv_params_of(p)._replace(precision=fwd_prec),
+                             plan.compute, plan.out, out_sharding=p.get("out_sharding"),
+                             backward_dtype=plan.backward, backward_precision=bwd_prec)
   if name in env.fp32_primitives and R.f32_plan(dts):
     if R.as_written(env.policy_at(scope).compute_dtype):
       return _verbatim(eqn, invals)  # f32 compute: the code's own narrow ops as written
@@ -215,6 +230,16 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
   if name in R.POLYMORPHIC:
     return _compat.bind_eqn(eqn, invals)
   return _verbatim(eqn, invals)
+
+
+def _gemm_plan_at(env: Env, eqn, dts, scope: str, backward: bool):
+  """The GemmPlan of a GEMM traced in `scope`. A GEMM of the traced program's backward
+  pass takes the scope's backward compute dtype (and so do its own gradient GEMMs);
+  a forward GEMM takes the forward one, its gradient GEMMs the backward one."""
+  if backward:
+    return R.gemm_plan(eqn, dts[0], dts[1], env.compute_at(scope, "bwd"), True)
+  return R.gemm_plan(eqn, dts[0], dts[1], env.compute_at(scope, "fwd"), False,
+                     env.compute_at(scope, "bwd"))
 
 
 def _sums_in_f32(env: Env, scope: str) -> bool:
@@ -275,8 +300,7 @@ def changes(env: Env, jaxpr, prefix: str, jvp_rules: bool = True) -> bool:
       dts = [R.as_dtype(v.aval.dtype) if hasattr(v.aval, "dtype") else None
              for v in eqn.invars]
       if name in R.GEMMS:
-        found = R.gemm_plan(eqn, dts[0], dts[1], env.policy_at(scope).compute_dtype,
-                            backward) is not None
+        found = _gemm_plan_at(env, eqn, dts, scope, backward) is not None
         # An fp8 site (chosen by path, which this memoised walk does not know): a jaxpr
         # holding any candidate is evaluated, not bound as traced, while some site is fp8.
         found = found or bool(env.fp8 is not None and env.fp8.selected

@@ -6,6 +6,16 @@ string). An op belongs to the scope it was traced in (NNX module paths, Linen mo
 `jax.named_scope`s); the deepest enclosing scope that some rule matches decides, and among
 the rules matching that scope the first one given wins. An op no rule matches follows the
 base policy, so an override on a block covers every layer inside it.
+
+A value may also be a mapping {"fwd": policy, "bwd": policy} (either key may be left
+out): a direction-specific override. "bwd" gives the compute dtype of the scope's
+backward GEMMs (the two gradient GEMMs of each forward GEMM, and the GEMMs of a traced
+program's own backward pass); "fwd" gives the policy of everything else in the scope (its
+forward GEMMs, f32 ops, elementwise ops, param and output dtypes). Only GEMMs have a
+direction the override can choose: the backward of a non-GEMM op is JAX's transpose of the
+forward op and runs in the dtypes the forward chose. A direction the mapping leaves out
+falls through to the enclosing rule (or the base policy), as if the rule were absent for
+it. Of a "bwd" policy only the compute dtype is used.
 """
 
 from __future__ import annotations
@@ -16,9 +26,18 @@ from typing import Any, Iterable, Mapping, NamedTuple
 from precision._policy import Policy, get_policy
 
 
+DIRECTIONS = ("fwd", "bwd")
+
+
 class Rule(NamedTuple):
+  """One override: `key` gives `policy` to the ops of `direction` ("both", "fwd" or
+  "bwd"; a {"fwd": .., "bwd": ..} value becomes one Rule per key given)."""
   key: str | type
   policy: Policy
+  direction: str = "both"
+
+  def covers(self, direction: str) -> bool:
+    return self.direction in ("both", direction)
 
 
 def parse_overrides(overrides: Mapping[Any, Any] | None,
@@ -45,6 +64,9 @@ def parse_overrides(overrides: Mapping[Any, Any] | None,
       raise ValueError(
           f"Override key {key!r} is neither a path pattern (str) nor a module type "
           f"(subclass of {module_base})")
+    if isinstance(value, Mapping):
+      rules.extend(_directional(key, value))
+      continue
     try:
       policy = get_policy(value)
     except ValueError as e:
@@ -53,9 +75,57 @@ def parse_overrides(overrides: Mapping[Any, Any] | None,
   return tuple(rules)
 
 
-def match(rules: Iterable[Rule], path: str, module: Any) -> Rule | None:
-  """The first rule whose pattern matches `path` or whose type `module` is an instance of."""
+def _directional(key, value: Mapping) -> list[Rule]:
+  """The rules of a {"fwd": policy, "bwd": policy} override value, "fwd" first."""
+  accepted = 'a mapping with key "fwd" and/or "bwd", each a policy'
+  unknown = [k for k in value if k not in DIRECTIONS]
+  if unknown or not value:
+    what = f"unknown key(s) {unknown!r}" if unknown else "no key"
+    raise ValueError(f"Override {key!r}: {dict(value)!r} has {what}; accepted: a policy, "
+                     f"or {accepted} (e.g. {{'bwd': 'p=f32,c=f32,o=f32'}})")
+  out = []
+  for d in DIRECTIONS:
+    if d in value:
+      try:
+        out.append(Rule(key, get_policy(value[d]), d))
+      except ValueError as e:
+        raise ValueError(f"Override {key!r}: bad {d!r} policy {value[d]!r} in "
+                         f"{dict(value)!r} ({accepted}): {e}") from e
+  return out
+
+
+def is_directional(rules: Iterable[Rule]) -> bool:
+  """Whether some rule gives a policy to one direction only."""
+  return any(r.direction != "both" for r in rules)
+
+
+def as_mapping(rules: Iterable[Rule]) -> dict:
+  """{key: Policy, or {"fwd": Policy, "bwd": Policy} for a direction-specific key}, in
+  the order given: the overrides the rules were parsed from, policies parsed."""
+  out: dict = {}
+  for r in rules:
+    if r.direction == "both":
+      out[r.key] = r.policy
+    else:
+      out.setdefault(r.key, {})[r.direction] = r.policy
+  return out
+
+
+def describe_value(value) -> str:
+  """An override value of `as_mapping` as one line shows it: 'p=f32,c=f32,o=f32' or
+  {'bwd': 'p=f32,c=f32,o=f32'}."""
+  if isinstance(value, Mapping):
+    return "{" + ", ".join(f"{d!r}: {str(p)!r}" for d, p in value.items()) + "}"
+  return repr(str(value))
+
+
+def match(rules: Iterable[Rule], path: str, module: Any,
+          direction: str | None = None) -> Rule | None:
+  """The first rule (covering `direction`; None: any rule) whose pattern matches `path` or
+  whose type `module` is an instance of."""
   for rule in rules:
+    if direction is not None and not rule.covers(direction):
+      continue
     if isinstance(rule.key, str):
       if fnmatch.fnmatchcase(path, rule.key):
         return rule
@@ -89,16 +159,16 @@ def scope_prefixes(scope: str) -> list[str]:
   return ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-def match_scope(rules: Iterable[Rule], scope: str, module_at: Mapping[str, Any]
-                ) -> Rule | None:
-  """The rule for an op traced in `scope`: the deepest prefix of `scope` that a rule
-  matches (by pattern, or by the type of the module recorded at that prefix in
-  `module_at`); among the rules matching it, the first."""
+def match_scope(rules: Iterable[Rule], scope: str, module_at: Mapping[str, Any],
+                direction: str = "fwd") -> Rule | None:
+  """The rule for an op of `direction` traced in `scope`: the deepest prefix of `scope`
+  that a rule covering `direction` matches (by pattern, or by the type of the module
+  recorded at that prefix in `module_at`); among the rules matching it, the first."""
   rules = tuple(rules)
   if not rules:
     return None
   for prefix in scope_prefixes(scope):
-    rule = match(rules, prefix, module_at.get(prefix))
+    rule = match(rules, prefix, module_at.get(prefix), direction)
     if rule is not None:
       return rule
   return None

@@ -126,8 +126,11 @@ def cast(x, dtype: np.dtype):
 
 
 class GemmPlan(NamedTuple):
+  """compute: the GEMM's operand dtype; out: its result dtype; backward: the operand
+  dtype of its two gradient GEMMs."""
   compute: np.dtype
   out: np.dtype
+  backward: np.dtype
 
 
 def as_written(compute: np.dtype) -> bool:
@@ -159,7 +162,7 @@ def _states_its_numerics(eqn, lt: np.dtype, rt: np.dtype) -> bool:
 
 
 def gemm_plan(eqn, lhs_dtype: np.dtype, rhs_dtype: np.dtype, compute: np.dtype,
-              backward: bool) -> GemmPlan | None:
+              backward: bool, backward_compute: np.dtype | None = None) -> GemmPlan | None:
   """How a traced GEMM runs under a policy with `compute` dtype, given the dtypes its
   operands arrive in; None: bind it as written, its operands cast back to their traced
   dtypes (non-float or fp8 operands, or an f32-or-wider compute dtype: `as_written`).
@@ -169,17 +172,23 @@ def gemm_plan(eqn, lhs_dtype: np.dtype, rhs_dtype: np.dtype, compute: np.dtype,
   HIGHEST on f32 operands; it keeps its traced result dtype) and for GEMMs of a
   differentiated program's backward pass (gradients keep their traced dtype, e.g. f32
   for f32 params).
+
+  `backward_compute` (default `compute`) is the operand dtype of the GEMM's gradient
+  GEMMs (a direction-specific override). With an f32-or-wider `compute` and a narrower
+  `backward_compute` the forward runs as written (traced result dtype) and only its
+  gradient GEMMs are narrow; with both f32 or wider the GEMM is bound as written.
   """
+  backward_compute = compute if backward_compute is None else np.dtype(backward_compute)
   lt, rt = (np.dtype(v.aval.dtype) for v in eqn.invars[:2])
   traced_out = np.dtype(eqn.outvars[0].aval.dtype)
   if not all(is_float(d) for d in (lt, rt, lhs_dtype, rhs_dtype)):
     return None
   if any(is_fp8(d) for d in (lt, rt, lhs_dtype, rhs_dtype)):
     return None  # an fp8 GEMM (precision.fp8) already scaled its operands
-  if as_written(compute):
+  if as_written(compute) and as_written(backward_compute):
     return None
-  keep = backward or _states_its_numerics(eqn, lt, rt)
-  return GemmPlan(compute, traced_out if keep else compute)
+  keep = backward or as_written(compute) or _states_its_numerics(eqn, lt, rt)
+  return GemmPlan(compute, traced_out if keep else compute, backward_compute)
 
 
 def f32_plan(in_dtypes) -> bool:

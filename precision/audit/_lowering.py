@@ -371,7 +371,8 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -
   plan = as_plan(recipe)
   recipe = plan.recipe
   compute, fwd8, bwd8 = _expected(recipe)
-  allowed = {compute} | {np.dtype(p.compute_dtype).name for p in plan.overrides.values()}
+  allowed = {compute} | {np.dtype(r.policy.compute_dtype).name
+                         for r in plan.autocast_spec.rules}
   found = []
   n_fp8 = collections.Counter()
   micro = recipe.fp8 is not None and recipe.fp8.scaling in MICRO_SCALINGS

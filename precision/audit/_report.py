@@ -95,8 +95,9 @@ class PrecisionReport:
                  overrides: Mapping[Any, Policy | str] | None = None) -> list[str]:
     """The list `check` raises with (empty when the function follows the policy)."""
     spec = _plan.spec_for(policy, overrides)
-    policy, rules = spec.policy, [(r.key, r.policy) for r in spec.rules]
-    allowed_anywhere = {np.dtype(p.compute_dtype).name for k, p in rules if not isinstance(k, str)}
+    policy, rules = spec.policy, spec.rules
+    allowed_anywhere = {np.dtype(r.policy.compute_dtype).name for r in rules
+                        if not isinstance(r.key, str)}
     found = []
     for g in self.gemms:
       where = f"{g.direction} {g.primitive} {g.shape} at {g.location or '?'} [{g.scope}]"
@@ -105,9 +106,10 @@ class PrecisionReport:
       if g.is_fp8:
         continue  # fp8 GEMMs are the fp8 recipe's choice; only their accumulation is checked
       compute = np.dtype(policy.compute_dtype).name
-      for key, pol in rules:
-        if isinstance(key, str) and fnmatch.fnmatchcase(g.scope, key):
-          compute = np.dtype(pol.compute_dtype).name
+      for r in rules:   # a direction-specific rule covers the GEMMs of its direction
+        if (isinstance(r.key, str) and r.covers("bwd" if g.direction == "bwd" else "fwd")
+            and fnmatch.fnmatchcase(g.scope, r.key)):
+          compute = np.dtype(r.policy.compute_dtype).name
           break
       ok = {compute} | allowed_anywhere
       if g.lhs_dtype not in ok or g.rhs_dtype not in ok:

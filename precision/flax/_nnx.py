@@ -102,6 +102,13 @@ def _call_in_trace(spec: _api.AutocastSpec, original, module, args, kwargs):
   if path is not None:
     return original(module, *args, **kwargs)
   policies = {}
+  if adopt and _overrides.is_directional(spec.rules):
+    # Adopted overrides become one Policy per module (trace.module_policy): no direction.
+    raise ValueError(
+        f"The model was marked with {spec.describe()}, whose direction-specific overrides "
+        f"a trace of {trace.spec.describe()} cannot adopt per module; accepted: the same "
+        "plan for both (precision.bind(recipe, overrides=...) given to the model and to "
+        "autocast / data_parallel)")
   if adopt:
     by_path = policy_paths(module, spec)
     policies = {id(node): by_path[tuple(p)] for p, node in nnx.iter_graph(module)
@@ -135,11 +142,12 @@ def _match_paths(module: nnx.Module, spec: _api.AutocastSpec) -> tuple[dict, set
   matched: set = set()
   out: dict[tuple, Policy] = {}
   for path, node in modules.items():
-    rule = _overrides.match_scope(spec.rules, _overrides.path_str(path),
-                                  {_overrides.path_str(path[:i]): modules.get(path[:i])
-                                   for i in range(1, len(path) + 1)})
-    if rule is not None:
-      matched.add(rule.key)
+    at = {_overrides.path_str(path[:i]): modules.get(path[:i])
+          for i in range(1, len(path) + 1)}
+    # Params take the forward policy's dtype; a backward-only rule still matches a path.
+    rule, back = (_overrides.match_scope(spec.rules, _overrides.path_str(path), at, d)
+                  for d in _overrides.DIRECTIONS)
+    matched.update(r.key for r in (rule, back) if r is not None)
     out[path] = spec.policy if rule is None else rule.policy
   return out, matched, modules
 

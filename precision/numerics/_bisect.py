@@ -4,9 +4,11 @@ From a state saved before the divergence, the next steps are replayed under the 
 as is (the baseline, which must reproduce the original run bit for bit), under the
 recipe's f32 counterpart (the reference) and under the recipe with groups of GEMMs
 promoted to f32 by autocast overrides, until a promoted set (one group when one
-explains it) whose loss trajectory stays within a tolerance of the reference is found. The groups are the
-module paths / name scopes of the GEMMs of the loss (`inspect`); the culprit's worst
-GEMM tensors from that `inspect` run say what went wrong there.
+explains it) whose loss trajectory stays within a tolerance of the reference is found.
+A group is one direction of one scope, "scope:fwd" (its forward GEMMs) or "scope:bwd"
+(its backward GEMMs): the module paths / name scopes of the GEMMs of the loss
+(`inspect`), each split by direction with direction-specific overrides. The culprit's
+worst GEMM tensors from that `inspect` run say what went wrong there.
 """
 
 from __future__ import annotations
@@ -50,19 +52,54 @@ def _check_tolerance(tolerance: Any) -> float:
   return float(tolerance)
 
 
+DIRECTIONS = ("fwd", "bwd")
+_WORDS = {"fwd": "forward", "bwd": "backward"}
+
+
+def group(scope: str, direction: str) -> str:
+  """The group of `scope`'s GEMMs of `direction`: "l0:bwd"."""
+  return f"{scope}:{direction}"
+
+
+def split_group(g: str) -> tuple[str, str | None]:
+  """"l0:bwd" -> ("l0", "bwd"); a plain scope "l0" -> ("l0", None) (both directions)."""
+  scope, sep, direction = g.rpartition(":")
+  return (scope, direction) if sep and direction in DIRECTIONS else (g, None)
+
+
+def expand(groups: Iterable[str]) -> tuple:
+  """Groups with each plain scope split into its forward and backward groups, adjacent
+  (halving then narrows to a scope before it narrows to a direction)."""
+  out = []
+  for g in groups:
+    scope, direction = split_group(g)
+    out.extend([group(scope, d) for d in DIRECTIONS] if direction is None else [g])
+  return tuple(dict.fromkeys(out))
+
+
+def describe_group(g: str) -> str:
+  """"'l0' backward GEMMs" for "l0:bwd"."""
+  scope, direction = split_group(g)
+  return f"{scope!r} {_WORDS[direction]} GEMMs" if direction else f"{scope!r} GEMMs"
+
+
 def _check_groups(groups: Any) -> tuple:
   if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
     raise ValueError(f"groups={groups!r}; accepted: a list of scope paths (module paths "
-                     "or jax.named_scope names, e.g. ['blocks/0/mlp', 'head'])")
+                     "or jax.named_scope names, e.g. ['blocks/0/mlp', 'head']: both "
+                     "directions of each), or single directions ('head:bwd', 'l0:fwd')")
   if not groups:
     raise ValueError("groups=() is empty; accepted: at least one scope path, or None to "
                      "take the scopes of the loss's GEMMs")
   for g in groups:
-    if not isinstance(g, str) or not g.strip("/ "):
-      raise ValueError(f"groups holds {g!r}; accepted: non-empty scope paths")
-  if len(set(groups)) != len(groups):
-    raise ValueError(f"groups={list(groups)!r} repeats a scope; accepted: distinct scopes")
-  return tuple(groups)
+    if not isinstance(g, str) or not split_group(g)[0].strip("/ "):
+      raise ValueError(f"groups holds {g!r}; accepted: non-empty scope paths, each "
+                       "optionally with ':fwd' or ':bwd'")
+  out = expand(groups)
+  if len(out) != sum(1 if split_group(g)[1] else 2 for g in groups):
+    raise ValueError(f"groups={list(groups)!r} repeats a scope or a direction; accepted: "
+                     "distinct groups")
+  return out
 
 
 def f32_counterpart(recipe: Recipe) -> Recipe:
@@ -87,15 +124,26 @@ def literal(scope: str) -> str:
 
 
 def overrides_for(promoted: Iterable[str], groups: Sequence[str], recipe: Recipe) -> dict:
-  """Autocast overrides promoting exactly the GEMMs of `promoted`: each promoted scope
-  gets the f32 policy, and a group nested in a promoted one but not promoted itself
-  keeps the recipe's policy (the deepest matching scope decides)."""
-  promoted = tuple(promoted)
+  """Autocast overrides promoting exactly the GEMMs of `promoted` (groups "scope:fwd",
+  "scope:bwd", or plain scopes: both): each promoted group's scope gets the f32 policy
+  for that direction, and a group nested in a promoted one of its direction but not
+  promoted itself keeps the recipe's policy there (the deepest matching scope decides,
+  per direction). A scope with both directions promoted gets the plain f32 policy."""
+  promoted, groups = set(expand(promoted)), expand(groups)
   up, base = _promoted_policy(recipe), str(recipe.policy)
-  out = {literal(g): up for g in promoted}
-  for g in groups:
-    if g not in promoted and any(g.startswith(p + "/") for p in promoted):
-      out[literal(g)] = base
+  scopes = list(dict.fromkeys(split_group(g)[0] for g in (*groups, *sorted(promoted))))
+  out = {}
+  for scope in scopes:
+    value = {}
+    for d in DIRECTIONS:
+      if group(scope, d) in promoted:
+        value[d] = up
+      elif group(scope, d) in groups and any(
+          scope.startswith(p + "/") for p, pd in map(split_group, promoted) if pd == d):
+        value[d] = base
+    if value:
+      same = len(value) == 2 and value["fwd"] == value["bwd"]
+      out[literal(scope)] = value["fwd"] if same else value
   return out
 
 
@@ -217,8 +265,12 @@ def _compare(base: Replay, original: Sequence[float] | None, steps: int):
 
 
 def _telemetry(report, culprits: tuple) -> tuple:
+  """The worst GEMM tensors of the culprits' scopes (nested ones included), each of the
+  culprit's direction."""
+  wanted = [split_group(c) for c in culprits]
   rows = tuple(r for r in report.rows
-               if any(r.scope == c or r.scope.startswith(c + "/") for c in culprits))
+               if any((r.scope == s or r.scope.startswith(s + "/")) and r.direction == d
+                      for s, d in wanted))
   sub = _report.NumericsReport(report.name, report.policy, rows, report.unvisited)
   return sub.worst(TELEMETRY_ROWS)
 
@@ -240,15 +292,19 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
   A replay is within tolerance when max over steps |loss - reference loss| <= tolerance
   (a non-finite loss is an infinite gap).
 
-  Groups are scopes: the module paths / jax.named_scope names of the GEMMs of
-  `jax.grad(loss)` as `inspect` sees them on the restored state and the first batch,
-  in program order; a promoted scope covers its forward and its backward GEMMs.
-  Autocast's overrides choose a policy by scope, not by direction, so the search cannot
-  promote a backward GEMM without its forward one; the culprit's telemetry rows say
-  which direction and role went wrong. GEMMs outside any scope cannot be promoted
-  (`BisectResult.unscoped` counts their tensors).
+  Groups are (scope, direction) pairs written "scope:fwd" and "scope:bwd": the module
+  paths / jax.named_scope names of the GEMMs of `jax.grad(loss)` as `inspect` sees them
+  on the restored state and the first batch, in program order, each scope's forward
+  group followed by its backward one (2 groups per scope: halving narrows to a scope,
+  then to a direction). Promoting "l0:bwd" gives l0's backward GEMMs (the gradient GEMMs
+  of its GEMMs) f32 operands, cotangent and accumulation by a direction-specific
+  override ({"l0": {"bwd": f32 policy}}); its forward GEMMs and every other op keep the
+  recipe's policy. "l0:fwd" promotes its forward GEMMs and the scope's other ops (f32
+  ops, elementwise), whose backward follows their forward. The culprit's telemetry rows
+  are its scope's GEMM tensors of its direction. GEMMs outside any scope cannot be
+  promoted (`BisectResult.unscoped` counts their tensors).
 
-  Algorithm, n groups:
+  Algorithm, n groups (twice the scopes searched):
     * the baseline is within tolerance: stop (2 replays).
     * single culprit: halve the candidates (first half promoted: within -> keep it,
       else the second half), ceil(log2 n) replays; the last candidate is replayed alone
@@ -266,7 +322,8 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
   Args:
     make_step: ``make_step(recipe, overrides) -> step``, ``step(state, batch) -> (state,
       loss)``: the run's training step built under `recipe` (a Recipe: the run's, or its
-      f32 counterpart) with `overrides` ({scope pattern: policy string} for
+      f32 counterpart) with `overrides` ({scope pattern: policy string, or
+      {"fwd": .., "bwd": ..} of policy strings for one direction} for
       precision.autocast / precision.bind, or None). It may jit and donate its state.
       Or a precision.study.Task: the cell of `recipe` whose `checkpoint` is given
       (<study out>/cells/<cell>/ckpt) is replayed with the study's own step; state,
@@ -287,7 +344,9 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
       is refused.
     seed: the run's seed, checked against the checkpoint's when given.
     original_losses: the original run's losses of the replayed steps.
-    groups: scope paths to search (each matched literally), instead of the loss's.
+    groups: groups to search instead of the loss's: scope paths (each matched
+      literally; a plain scope is both its groups, "scope:fwd" then "scope:bwd") or
+      single directions ("head:bwd").
   Returns:
     A BisectResult; ``str(result)`` is the verdict.
   Raises:
@@ -309,10 +368,10 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
     >>> result = mp.numerics.bisect(make_step, recipe, initial_state, batches[100:],
     ...                             checkpoint="run/ckpt", step=100, steps=8,
     ...                             tolerance=1e-3, loss=loss, original_losses=losses[100:])
-    >>> print(result)   # ... layer 'l0': ...; its worst GEMM tensor: l0, backward GEMM
-    ...                 # cotangent, float16: 100% underflow.
+    >>> print(result)   # ... layer 'l0' backward GEMMs: ...; its worst GEMM tensor: l0,
+    ...                 # backward GEMM cotangent, float16: 100% underflow.
     >>> result.culprits, result.baseline_bit_identical, result.n_replays
-    (('l0',), True, 4)
+    (('l0:bwd',), True, 6)
 
     A cell of a precision.study run, from its checkpoint of step 100:
 
@@ -358,7 +417,7 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
     scale = optim.loss_scale_of(state.opt_state)
     grad = jax.grad(lambda p, b: jnp.asarray(loss(p, b)).astype(jnp.float32) * scale)
     report = _inspect.inspect(grad, recipe, state.params, batches[0])
-  found = tuple(dict.fromkeys(r.scope for r in report.rows if r.scope)) if report else ()
+  found = expand(dict.fromkeys(r.scope for r in report.rows if r.scope)) if report else ()
   if groups is None:
     if not found:
       raise ValueError("groups: the loss has no GEMM inside a module path or "

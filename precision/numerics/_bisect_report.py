@@ -19,7 +19,8 @@ class Replay(NamedTuple):
   kind: "baseline" (the recipe as is), "reference" (its f32 counterpart), "halve" (a
     bisection step), "verify" (the single candidate alone), "all" (every group
     promoted) or "shrink" (a group dropped from a promoted set).
-  promoted: the groups promoted to f32 (() for the baseline and the reference).
+  promoted: the groups promoted to f32 ("scope:fwd" / "scope:bwd"; () for the baseline
+    and the reference).
   losses: the loss of every replayed step (f32 values as Python floats).
   final_gap, max_gap: |loss - reference loss| at the last step and the largest over the
     steps (inf where either loss is not finite).
@@ -42,7 +43,8 @@ class BisectResult:
     recipe, reference: names of the recipe replayed and of its f32 counterpart.
     start_step: the step of the restored state (None for an in-memory state without one).
     steps, tolerance: as given.
-    groups: the groups searched (scopes), in program order.
+    groups: the groups searched, in program order: "scope:fwd" (the scope's forward
+      GEMMs and its other ops) and "scope:bwd" (its backward GEMMs), adjacent.
     culprits: the promoted set found whose replay stays within `tolerance` of the
       reference: one group when a single one explains the divergence, else a minimal set
       (dropping any one of its groups leaves the replay outside tolerance); () when the
@@ -105,14 +107,21 @@ class BisectResult:
           f"any scope: {self.unscoped} unscoped GEMM tensors; the optimizer).")
     fixed = next(r for r in reversed(self.replays) if r.within
                  and set(r.promoted) == set(self.culprits))
-    names = " + ".join(repr(c) for c in self.culprits)
+    names = " + ".join(_describe_group(c) for c in self.culprits)
     what = ("layer" if self.single else
             "no single group explains it; a minimal set (none of its groups can be dropped)")
-    text = (f"{what} {names}: promoting it to f32 brings the max loss gap from "
+    text = (f"{what} {names}: promoting {'them' if self.single else 'it'} to f32 brings "
+            "the max loss gap from "
             f"{base.max_gap:.3g} to {fixed.max_gap:.3g}")
     if self.telemetry:
       text += "; its worst GEMM tensor: " + describe_row(self.telemetry[0])
     return head + ident + text + "."
+
+
+def _describe_group(g: str) -> str:
+  # In the function: _bisect imports this module (BisectResult).
+  from precision.numerics import _bisect  # pylint: disable=g-import-not-at-top
+  return _bisect.describe_group(g)
 
 
 def describe_row(row: _report.TensorStats) -> str:

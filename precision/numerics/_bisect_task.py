@@ -117,7 +117,7 @@ def prepare(task, recipe: Recipe, directory: str, step: int | None, seed: int | 
   def make_step(r: Recipe, overrides):
     # The study's own overrides stay; a promoted scope's rule is added (or replaces one
     # of the same pattern): the deepest matching scope decides.
-    step_fn = _models.build(task, r, seed, (), {**base, **(overrides or {})}).step
+    step_fn = _models.build(task, r, seed, (), _merged(base, overrides)).step
     t = [start]
 
     def step(state, batch):
@@ -131,3 +131,15 @@ def prepare(task, recipe: Recipe, directory: str, step: int | None, seed: int | 
   return Prepared(make_step, restored.state, batch_stream(task, seed, skip=start),
                   _loss_of(task, prog, seed, start, restored.state), start,
                   _recorded_losses(directory, start, steps))
+
+
+def _merged(base: dict, overrides: dict | None) -> dict:
+  """The study's overrides with bisect's promoted groups: a promoted scope's rule replaces
+  the study's for the directions it names; a direction it leaves out keeps the study's
+  policy for that scope (not the recipe's)."""
+  out = dict(base)
+  for key, value in (overrides or {}).items():
+    if isinstance(value, dict) and isinstance(out.get(key), str):
+      value = {d: value.get(d, out[key]) for d in ("fwd", "bwd")}
+    out[key] = value
+  return out
