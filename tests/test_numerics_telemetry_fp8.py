@@ -152,6 +152,29 @@ def test_current_scaled_operand_rows_equal_an_ml_dtypes_reference(current_probe)
     assert row.saturated > 0
 
 
+def test_seeded_fault_frozen_fp8_scale_saturates_the_named_operand():
+  """A delayed scale stuck far below its tensor's amax (fc1's input scale set to 1e-4,
+  against inputs of |x| up to ~10): E4M3 clips nearly all of fc1's forward lhs to 448.
+  inspect (under the model's own fp8 layers) and the step's telemetry both name that
+  operand, and no other operand saturates."""
+  model, tx, opt = _case("fp8_hybrid")
+  x, y = _data()
+  model.fc1.dot_general.lhs_scale[...] = jnp.float32(1e-4)
+  expected = np.mean(np.abs(np.asarray(x)) / np.float32(1e-4) >= 432.0)  # rounds to 448
+  report = mp.numerics.inspect(nnx.grad(_loss), "fp8_hybrid", model, x, y)
+  _, _, record = nnx.jit(functools.partial(mp.train_step, telemetry=True),
+                         static_argnums=(1, 3))(nnx.clone(model), tx, opt, _loss, x, y)
+  for rows in (report.rows, record.report().rows):
+    worst = max(rows, key=lambda r: r.saturated)
+    assert (worst.scope, worst.direction, worst.role, worst.dtype) == (
+        "fc1/dot_general", "fwd", "lhs", "float8_e4m3fn")
+    assert worst.saturated == pytest.approx(expected, abs=1e-3) and expected > 0.9
+    others = [r.saturated for r in rows if r is not worst
+              and not (r.scope == worst.scope and r.role == "rhs" and r.direction == "bwd")]
+    assert max(others) < 0.05
+  assert float(model.fc1.dot_general.lhs_scale[...]) == pytest.approx(1e-4)  # untouched
+
+
 def _load(name):
   path = os.path.join(os.path.dirname(__file__), "study_tasks", f"{name}.py")
   spec = importlib.util.spec_from_file_location(f"tele8_{name}", path)

@@ -96,6 +96,26 @@ class AsWritten(NamedTuple):
   policy: str
 
 
+def _fp8_mark(recipe_or_policy, modules):
+  """The mark of an NNX model among `modules` prepared by apply_recipe with this fp8
+  recipe (its fp8 layers hold the scaling state, delayed scaling's amax histories
+  included), to trace under in place of the recipe; None otherwise."""
+  from precision._recipe import Recipe, get_recipe  # pylint: disable=g-import-not-at-top
+  from precision.flax import _nnx  # pylint: disable=g-import-not-at-top
+  if isinstance(recipe_or_policy, str):
+    try:
+      recipe_or_policy = get_recipe(recipe_or_policy)
+    except ValueError:
+      return None   # a policy string
+  if not isinstance(recipe_or_policy, Recipe) or recipe_or_policy.fp8 is None:
+    return None
+  for x in modules:
+    spec = _nnx.spec_of(x)
+    if spec is not None and spec.recipe is not None and spec.recipe == recipe_or_policy:
+      return spec
+  return None
+
+
 def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
   """Traces fn(*args, **kwargs) under autocast (as written for an AsWritten) and
   evaluates it with the recorder; returns the policy string, the higher-order primitives
@@ -125,7 +145,9 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
   if isinstance(recipe_or_policy, AsWritten):
     wrapped, policy = flat_fn, recipe_or_policy.policy
   else:
-    wrapped = autocast(flat_fn, recipe_or_policy)
+    marked = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
+              if _is_node(x)]
+    wrapped = autocast(flat_fn, _fp8_mark(recipe_or_policy, marked) or recipe_or_policy)
     policy = str(wrapped.autocast_spec.policy)
   with _module_scopes(nodes):
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*arrays)
@@ -162,6 +184,10 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
     recipe_or_policy: what precision.autocast accepts: a Policy, a policy string
       ("p=f32,c=f16,o=f32"), a Recipe or a preset name ("bf16_mixed"). Loss scaling is
       not applied (it belongs to the optimizer): scale the loss in `fn` to see its effect.
+      An fp8 recipe on an NNX model that precision.flax.apply_recipe prepared with it
+      runs under the model's mark: its fp8 layers quantise with their own scaling state
+      (delayed scaling's amax history and scale included, not modified), and each fp8
+      operand's row measures the value its cast rounds (the operand over its scale).
     *args, **kwargs: the arguments; arrays (and NNX modules' arrays) are traced, other
       leaves (Python numbers, strings) are static.
   Returns:
