@@ -14,6 +14,7 @@ import pytest
 
 import precision as mp
 from precision.numerics import _bisect
+from precision.numerics import _bisect_groups
 
 DIMS = (8, 16, 16, 16, 4)
 LAYERS = tuple(f"l{i}" for i in range(len(DIMS) - 1))
@@ -321,7 +322,7 @@ def test_overrides_promote_exactly_the_group():
   assert _bisect.expand(["a", "b:bwd"]) == ("a:fwd", "a:bwd", "b:bwd")
   assert _bisect.split_group("x:y:bwd") == ("x:y", "bwd")
   assert _bisect.split_group("x:y") == ("x:y", None)
-  assert _bisect.describe_group("l0:fwd") == "'l0' forward GEMMs"
+  assert _bisect_groups.describe_group("l0:fwd") == "'l0' forward GEMMs"
   # The overrides bind (and parse back to the same rules).
   mp.bind(recipe, overrides=got)
   assert _bisect.literal("a*/b[1]") == "a[*]/b[[]1[]]"

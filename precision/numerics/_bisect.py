@@ -28,6 +28,10 @@ from precision._recipe import Recipe, get_recipe
 from precision.checkpoint import _owner
 from precision.numerics import _inspect
 from precision.numerics import _report
+from precision.numerics._bisect_groups import DIRECTIONS
+from precision.numerics._bisect_groups import expand
+from precision.numerics._bisect_groups import group
+from precision.numerics._bisect_groups import split_group
 from precision.numerics._bisect_report import BisectResult
 from precision.numerics._bisect_report import Replay
 
@@ -50,37 +54,6 @@ def _check_tolerance(tolerance: Any) -> float:
     raise ValueError(f"tolerance={tolerance!r}; accepted: a finite number >= 0 (the "
                      "largest |loss - f32 reference loss| over the replayed steps)")
   return float(tolerance)
-
-
-DIRECTIONS = ("fwd", "bwd")
-_WORDS = {"fwd": "forward", "bwd": "backward"}
-
-
-def group(scope: str, direction: str) -> str:
-  """The group of `scope`'s GEMMs of `direction`: "l0:bwd"."""
-  return f"{scope}:{direction}"
-
-
-def split_group(g: str) -> tuple[str, str | None]:
-  """"l0:bwd" -> ("l0", "bwd"); a plain scope "l0" -> ("l0", None) (both directions)."""
-  scope, sep, direction = g.rpartition(":")
-  return (scope, direction) if sep and direction in DIRECTIONS else (g, None)
-
-
-def expand(groups: Iterable[str]) -> tuple:
-  """Groups with each plain scope split into its forward and backward groups, adjacent
-  (halving then narrows to a scope before it narrows to a direction)."""
-  out = []
-  for g in groups:
-    scope, direction = split_group(g)
-    out.extend([group(scope, d) for d in DIRECTIONS] if direction is None else [g])
-  return tuple(dict.fromkeys(out))
-
-
-def describe_group(g: str) -> str:
-  """"'l0' backward GEMMs" for "l0:bwd"."""
-  scope, direction = split_group(g)
-  return f"{scope!r} {_WORDS[direction]} GEMMs" if direction else f"{scope!r} GEMMs"
 
 
 def _check_groups(groups: Any) -> tuple:

@@ -7,6 +7,7 @@ import math
 from typing import NamedTuple
 
 from precision.numerics import _report
+from precision.numerics._bisect_groups import describe_group
 
 # Statistics a verdict names, in the order a row's worst one is looked for (sqnr_db when
 # none is nonzero): the layer that overflows comes before those its inf flows into.
@@ -107,7 +108,7 @@ class BisectResult:
           f"any scope: {self.unscoped} unscoped GEMM tensors; the optimizer).")
     fixed = next(r for r in reversed(self.replays) if r.within
                  and set(r.promoted) == set(self.culprits))
-    names = " + ".join(_describe_group(c) for c in self.culprits)
+    names = " + ".join(describe_group(c) for c in self.culprits)
     what = ("layer" if self.single else
             "no single group explains it; a minimal set (none of its groups can be dropped)")
     text = (f"{what} {names}: promoting {'them' if self.single else 'it'} to f32 brings "
@@ -116,12 +117,6 @@ class BisectResult:
     if self.telemetry:
       text += "; its worst GEMM tensor: " + describe_row(self.telemetry[0])
     return head + ident + text + "."
-
-
-def _describe_group(g: str) -> str:
-  # In the function: _bisect imports this module (BisectResult).
-  from precision.numerics import _bisect  # pylint: disable=g-import-not-at-top
-  return _bisect.describe_group(g)
 
 
 def describe_row(row: _report.TensorStats) -> str:
