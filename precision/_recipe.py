@@ -337,6 +337,15 @@ class Fp8Config:
   >= 10 (Blackwell: the cuDNN kernel exists), else "emulated" (a CPU, a Hopper GPU).
   Written by `to_dict` only when not "auto".
 
+  `weight_block_2d` (nvfp4 only; default False): the weight operand (the GEMM's rhs, the
+  kernel of nnx.Linear / Einsum and of ``x @ w``, as `precision.fp8.Fp8Spec` takes it) is
+  quantised once in `micro_block` x `micro_block` tiles (16 x 16: one E4M3 scale per
+  tile), so the forward GEMM and the dgrad GEMM multiply the same weight values, as in
+  NVIDIA's NVFP4 training recipe (activations and gradients keep 1 x 16 blocks). False:
+  1 x 16 blocks along each GEMM's contraction, quantised again for dgrad. The default is
+  False so that every nvfp4 recipe written before the field existed (dicts without it)
+  keeps the numbers it ran with; NVIDIA's recipe is ``weight_block_2d=True``. Written by
+  `to_dict` only when True.
 
   Examples:
     >>> Fp8Config(scaling="current", keep_high_precision=("*lm_head*",))
@@ -360,6 +369,7 @@ class Fp8Config:
   hadamard_wgrad: bool = False
   seed: int = 0
   micro_gemm: str = "auto"
+  weight_block_2d: bool = False
 
   def __post_init__(self):
     self._validate("fp8")
@@ -407,7 +417,7 @@ class Fp8Config:
       raise _bad(f"{path}.scale_rounding", self.scale_rounding,
                  f"'up' with {path}.scaling={self.scaling!r} (a choice only with "
                  f"{path}.scaling='mxfp8')")
-    for field in ("stochastic_gradients", "hadamard_wgrad"):
+    for field in ("stochastic_gradients", "hadamard_wgrad", "weight_block_2d"):
       _set(self, field, _check_bool(f"{path}.{field}", getattr(self, field)))
       if getattr(self, field) and self.scaling != "nvfp4":
         raise _bad(f"{path}.{field}", True, f"false with {path}.scaling={self.scaling!r} "
@@ -460,7 +470,7 @@ class Fp8Config:
 
 # Fp8Config fields written only when not at their default (see Fp8Config.to_dict).
 _FP8_ADDED = ("micro_block", "scale_rounding", "stochastic_gradients", "hadamard_wgrad",
-              "seed", "micro_gemm")
+              "seed", "micro_gemm", "weight_block_2d")
 
 
 def _is_e2m1(value: Any) -> bool:

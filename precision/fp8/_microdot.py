@@ -15,7 +15,11 @@ format (`backward_format`), stochastically rounded under nvfp4 with
 the same random 16x16 Hadamard transform along M (orthogonal: the product is unchanged in
 exact arithmetic, outliers are spread before quantisation). Each operand is quantised
 again for each GEMM it enters (from its high-precision value), as block scales along one
-axis do not survive a transposition.
+axis do not survive a transposition; except, with `weight_block_2d` (nvfp4), the weight
+(rhs, the kernel of nnx.Linear / Einsum, as `precision.fp8.Fp8Spec` takes it): quantised
+once in 16 x 16 tiles (`precision.fp8._microscale.nvfp4_quantize_2d`), the forward GEMM
+and dgrad read the same E2M1 elements, each with the tile scales as block scales along
+its own contraction.
 
 Lowering (`MicroSpec.gemm`, from `Fp8Config.micro_gemm`): "emulated" multiplies the
 dequantised f32 operands as above on every platform. "block_scaled" hands each of the
@@ -88,12 +92,14 @@ class MicroSpec:
   hadamard_wgrad: bool = False
   seed: int = 0
   gemm: str = "emulated"    # GEMMS; "auto" is resolved per GEMM when it is traced
+  weight_block_2d: bool = False   # nvfp4: rhs (the weight) in block x block tiles
 
   @classmethod
   def from_config(cls, config) -> MicroSpec:
     return cls(config.scaling, config.forward_format, config.backward_format,
                config.block_size, config.scale_rounding, config.stochastic_gradients,
-               config.hadamard_wgrad, config.seed, config.micro_gemm)
+               config.hadamard_wgrad, config.seed, config.micro_gemm,
+               config.weight_block_2d)
 
   def quantize(self, x: jax.Array, axis: int, fmt: str, stochastic: bool = False,
                salt: int = 0) -> Quantized:
@@ -108,6 +114,16 @@ class MicroSpec:
     q, sb, ts = ms.nvfp4_quantize(x, axis=axis, block=self.block, stochastic=stochastic,
                                   seed=self.seed, step=step)
     return Quantized(q, sb, ts, axis)
+
+  def quantize_weight(self, w: jax.Array, axis: int) -> Quantized:
+    """The weight [B, K, N] (rhs) quantised for a GEMM contracting `axis` (1: forward,
+    2: dgrad). With `weight_block_2d`: block x block tiles over (K, N), the same elements
+    for both GEMMs, the tile scales read as block scales along `axis`; else blocks
+    along `axis` (`quantize`)."""
+    if not self.weight_block_2d:
+      return self.quantize(w, axis, self.forward_format)
+    q, tiles, ts = ms.nvfp4_quantize_2d(w, axes=(1, 2), tile=self.block)
+    return Quantized(q, ms.expand_tile_scales(tiles, (1, 2), axis, self.block), ts, axis)
 
   def dequantize(self, q: Quantized) -> jax.Array:
     """The f32 values of a quantised operand."""
@@ -188,7 +204,7 @@ def _gemm(spec: MicroSpec, lhs: Quantized, rhs: Quantized,
           out_spec: tuple | None = None) -> jax.Array:
   """One of the three GEMMs, lowered per `spec.gemm` ("emulated" or "block_scaled")."""
   emulated = lambda l, r: _emulated_mm(spec, l, r, out_spec)
-  if spec.gemm == "emulated":
+  if resolve_gemm(spec.gemm) == "emulated":
     return emulated(lhs, rhs)
   return lax.platform_dependent(lhs, rhs, cuda=block_scaled_mm, default=emulated)
 
@@ -222,7 +238,7 @@ def micro_bmm(static: _Static, a: jax.Array, b: jax.Array) -> jax.Array:
   """The microscaled GEMM [B, M, K] x [B, K, N] -> [B, M, N] in `static.out_dtype`."""
   spec = static.spec
   qa = spec.quantize(a, 2, spec.forward_format)
-  qb = spec.quantize(b, 1, spec.forward_format)
+  qb = spec.quantize_weight(b, 1)
   return _gemm(spec, qa, qb).astype(static.out_dtype)
 
 
@@ -237,7 +253,7 @@ def _bwd(static: _Static, res, g):
   sr = spec.stochastic_gradients
   # dgrad: contraction over N.
   gq = spec.quantize(g, 2, spec.backward_format, sr, _DGRAD)
-  bq = spec.quantize(b, 2, spec.forward_format)
+  bq = spec.quantize_weight(b, 2)
   da = _gemm(spec, gq, bq)
   # wgrad: contraction over M, optionally after the same random Hadamard transform of
   # both operands along M.
@@ -266,8 +282,6 @@ def scope_name(scaling: str) -> str:
 def micro_dot(a: jax.Array, b: jax.Array, spec: MicroSpec, out_dtype: Any) -> jax.Array:
   """The microscaled GEMM of canonical operands (see the module docstring)."""
   spec.check(a.shape[1], a.shape[2], b.shape[2])
-  if spec.gemm == "auto":
-    spec = dataclasses.replace(spec, gemm=resolve_gemm(spec.gemm))
   static = _Static(spec, np.dtype(out_dtype), np.dtype(a.dtype), np.dtype(b.dtype))
   with jax.named_scope(scope_name(spec.scaling)):
     return micro_bmm(static, a, b)
