@@ -43,6 +43,8 @@ MICRO_BLOCKS = {"mxfp8": 32, "nvfp4": 16}
 AMAX_COMPUTE = ("max", "most_recent")
 FP8_FORMATS = ("e4m3", "e5m2", "e2m1")
 SCALE_ROUNDINGS = ("up", "floor")
+# How a microscaled GEMM is lowered (Fp8Config.micro_gemm).
+MICRO_GEMMS = ("auto", "emulated", "block_scaled")
 _F32 = np.dtype(np.float32)
 _SIXTEEN_BIT = (parse_dtype("bf16"), parse_dtype("f16"))
 # The formats a tensor may be stored or reduced in. f64 is not one: with JAX's default
@@ -319,6 +321,32 @@ class Fp8Config:
   `to_dict` only when they differ from their defaults, and dicts without them read the
   defaults.
 
+  `micro_gemm` (microscaled scalings only; default "auto") chooses how those GEMMs are
+  lowered; the quantised elements and scales (scale rounding, stochastic rounding, the
+  Hadamard transform) are the same under every choice, only the GEMM differs:
+  "emulated": dequantise to f32 and multiply in f32 (dot_general, HIGHEST precision, f32
+  accumulation) on every platform. "block_scaled": on a CUDA platform each of the three
+  GEMMs is `jax.nn.scaled_matmul` of the quantised elements and block scales (the custom
+  call ``__op$block_scaled_dot``, which XLA sends to cuDNN's block-scaled GEMM where cuDNN
+  takes it, i.e. compute capability >= 10 with MXFP8 blocks of 32 / NVFP4 blocks of 16,
+  and otherwise expands into dequantise + f32 dot); nvfp4's two f32 tensor scales
+  multiply its f32 result, which equals the emulation's up to the order and rounding of
+  f32 operations; every other platform (the CPU) runs the emulation (a
+  `jax.lax.platform_dependent` branch). "auto": "block_scaled" where the default device
+  (``jax.devices()[0]``, read when the GEMM is traced) is a CUDA GPU of compute capability
+  >= 10 (Blackwell: the cuDNN kernel exists), else "emulated" (a CPU, a Hopper GPU).
+  Written by `to_dict` only when not "auto".
+
+  `weight_block_2d` (nvfp4 only; default False): the weight operand (the GEMM's rhs, the
+  kernel of nnx.Linear / Einsum and of ``x @ w``, as `precision.fp8.Fp8Spec` takes it) is
+  quantised once in `micro_block` x `micro_block` tiles (16 x 16: one E4M3 scale per
+  tile), so the forward GEMM and the dgrad GEMM multiply the same weight values, as in
+  NVIDIA's NVFP4 training recipe (activations and gradients keep 1 x 16 blocks). False:
+  1 x 16 blocks along each GEMM's contraction, quantised again for dgrad. The default is
+  False so that every nvfp4 recipe written before the field existed (dicts without it)
+  keeps the numbers it ran with; NVIDIA's recipe is ``weight_block_2d=True``. Written by
+  `to_dict` only when True.
+
   Examples:
     >>> Fp8Config(scaling="current", keep_high_precision=("*lm_head*",))
     >>> Fp8Config(scaling="mxfp8", backward_format="e4m3")
@@ -340,6 +368,8 @@ class Fp8Config:
   stochastic_gradients: bool = False
   hadamard_wgrad: bool = False
   seed: int = 0
+  micro_gemm: str = "auto"
+  weight_block_2d: bool = False
 
   def __post_init__(self):
     self._validate("fp8")
@@ -387,7 +417,7 @@ class Fp8Config:
       raise _bad(f"{path}.scale_rounding", self.scale_rounding,
                  f"'up' with {path}.scaling={self.scaling!r} (a choice only with "
                  f"{path}.scaling='mxfp8')")
-    for field in ("stochastic_gradients", "hadamard_wgrad"):
+    for field in ("stochastic_gradients", "hadamard_wgrad", "weight_block_2d"):
       _set(self, field, _check_bool(f"{path}.{field}", getattr(self, field)))
       if getattr(self, field) and self.scaling != "nvfp4":
         raise _bad(f"{path}.{field}", True, f"false with {path}.scaling={self.scaling!r} "
@@ -396,6 +426,10 @@ class Fp8Config:
     if self.seed and self.scaling != "nvfp4":  # seeds the stochastic rounding / Hadamard
       raise _bad(f"{path}.seed", self.seed, f"0 with {path}.scaling={self.scaling!r} (a "
                  f"seed only with {path}.scaling='nvfp4')")
+    _check_choice(f"{path}.micro_gemm", self.micro_gemm, MICRO_GEMMS)
+    if self.micro_gemm != "auto" and not micro:
+      raise _bad(f"{path}.micro_gemm", self.micro_gemm,
+                 f"'auto' with {path}.scaling={self.scaling!r} ({only('a GEMM lowering')})")
     for field in ("forward_format", "backward_format"):
       fmt = getattr(self, field)
       if self.scaling == "nvfp4" and fmt != "e2m1":
@@ -436,7 +470,7 @@ class Fp8Config:
 
 # Fp8Config fields written only when not at their default (see Fp8Config.to_dict).
 _FP8_ADDED = ("micro_block", "scale_rounding", "stochastic_gradients", "hadamard_wgrad",
-              "seed")
+              "seed", "micro_gemm", "weight_block_2d")
 
 
 def _is_e2m1(value: Any) -> bool:

@@ -50,6 +50,8 @@ _ELEMENT_TYPES: dict[str, np.dtype] = {
     "f8E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
     "f8E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
     "f8E4M3B11FNUZ": np.dtype(ml_dtypes.float8_e4m3b11fnuz),
+    "f8E8M0FNU": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "f4E2M1FN": np.dtype(ml_dtypes.float4_e2m1fn),
     "i64": np.dtype(np.int64),
     "i32": np.dtype(np.int32),
     "i16": np.dtype(np.int16),
@@ -78,6 +80,9 @@ _FUNC = re.compile(r"^\s*func\.func\s+(public|private)\s+" + _SYMBOL + r"\(")
 # `stablehlo.custom_call @target`.
 _CALL = re.compile(r"(?<![\w.])(?:func\.)?call\s+" + _SYMBOL + r"\(")
 _TRAILING_LOC = re.compile(r"\bloc\((.*)\)\s*$")
+# `jax.nn.scaled_matmul`'s custom call on CUDA: (lhs [B, M, K], rhs [B, N, K], lhs scales
+# [B, M, K / block], rhs scales [B, N, K / block]) -> [B, M, N].
+BLOCK_SCALED_DOT = "__op$block_scaled_dot"
 
 
 class LoweredGemm(NamedTuple):
@@ -93,6 +98,11 @@ class LoweredGemm(NamedTuple):
     name: the op's JAX name stack as the lowering records it, e.g.
       "jit(step)/transpose(jvp(lm_head))/dot_general"; "" when the module has no
       locations.
+    lhs_scale_dtype, rhs_scale_dtype, block: for a block-scaled GEMM (op
+      "block_scaled_dot", the custom call `jax.nn.scaled_matmul` lowers to on CUDA) the
+      block scales' element types ("float8_e8m0fnu", "float8_e4m3fn") and the block
+      length along the contraction (K over the scales' last dimension); "", "" and 0
+      for the other GEMMs.
   """
 
   op: str
@@ -101,6 +111,9 @@ class LoweredGemm(NamedTuple):
   out_dtype: str
   shape: str
   name: str
+  lhs_scale_dtype: str = ""
+  rhs_scale_dtype: str = ""
+  block: int = 0
 
   @property
   def direction(self) -> str:
@@ -263,6 +276,12 @@ def lowered_gemms(module: Any) -> tuple[LoweredGemm, ...]:
   lines, contexts = _call_contexts(text, names)
   out = []
   for func, line in lines:
+    if BLOCK_SCALED_DOT in line:
+      g = _block_scaled_gemm(line, names)
+      if g is not None:
+        out.extend(g._replace(name="/".join(p for p in (ctx, g.name) if p))
+                   for ctx in contexts.get(func, [""]))
+        continue
     if "stablehlo.dot_general" not in line and "stablehlo.convolution" not in line:
       continue
     m = _GEMM.search(line)
@@ -275,6 +294,35 @@ def lowered_gemms(module: Any) -> tuple[LoweredGemm, ...]:
       out.append(LoweredGemm(op, lt, rt, ot, f"{ls} x {rs} -> {os_}",
                              "/".join(p for p in (ctx, name) if p)))
   return tuple(out)
+
+
+def _block_scaled_gemm(line: str, names: dict[str, str]) -> LoweredGemm | None:
+  """The block-scaled GEMM of a `__op$block_scaled_dot` custom-call line (None for a line
+  that only mentions the name)."""
+  m = _CUSTOM_CALL.search(line) or _CUSTOM_CALL_GENERIC.search(line)
+  if m is None or m.group(1) != BLOCK_SCALED_DOT:
+    return None
+  if " : (" not in line:
+    raise ValueError(f"Cannot read the operand/result types of this GEMM: {line.strip()}")
+  ops, _, res = line.rsplit(" : (", 1)[1].partition(") -> ")
+  loc = _TRAILING_LOC.search(res)
+  operands = re.findall(_TENSOR, ops)
+  results = re.findall(_TENSOR, res.split(" loc(")[0])
+  if len(operands) != 4 or len(results) != 1:
+    raise ValueError(f"Cannot read the operand/result types of this GEMM: {line.strip()}")
+  (lt, ls), (rt, rs), (lst, _), (rst, _) = (_tensor(t) for t in operands)
+  ot, os_ = _tensor(results[0])
+  k, kb = _dims(operands[0])[-1], _dims(operands[2])[-1]
+  block = k // kb if k and kb and k % kb == 0 else 0
+  return LoweredGemm("block_scaled_dot", lt, rt, ot, f"{ls} x {rs} -> {os_}",
+                     _op_name(loc.group(1) if loc else None, names), lst, rst, block)
+
+
+def _dims(spec: str) -> list[int]:
+  """The static dimensions of a tensor type body ("1x32x64xf32" -> [1, 32, 64]; a
+  dynamic one reads as 0)."""
+  m = _DIMS.match(spec.split(",")[0].strip())
+  return [int(d) if d.isdigit() else 0 for d in m.group(1).split("x") if d]
 
 
 class LoweredCustomCall(NamedTuple):
@@ -341,7 +389,8 @@ def _fp8_dtype(name: str) -> np.dtype:
   return np.dtype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[name])
 
 
-def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -> list[str]:
+def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan,
+                    platform: str | None = None) -> list[str]:
   """What in `gemms` (from one lowering) contradicts `recipe`; empty when it follows it.
 
   The rules (the mixed-precision GEMM contract of every preset):
@@ -354,15 +403,25 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -
       `fp8.backward_format` (E5M2) and the saved operand in the forward format. GEMMs of
       layers the fp8 config keeps in high precision are ordinary compute-dtype GEMMs.
     * a recipe without fp8 has no fp8 GEMM.
-    * microscaled recipes (fp8.scaling mxfp8 / nvfp4) emulate their GEMMs on dequantised
-      values: the GEMMs named in the microscaled scope ("mxfp8_gemm", "nvfp4_gemm") take
-      f32 x f32 -> f32, at least one forward and one backward; the others follow the
-      compute-dtype rule, and no GEMM has fp8 operands.
+    * microscaled recipes (fp8.scaling mxfp8 / nvfp4): the GEMMs named in the
+      microscaled scope ("mxfp8_gemm", "nvfp4_gemm"), at least one forward and one
+      backward, are either the emulation on dequantised values (f32 x f32 -> f32) or
+      block-scaled GEMMs (`fp8.micro_gemm` "block_scaled": the custom call
+      ``__op$block_scaled_dot``) whose elements are in the recipe's formats (forward:
+      both in `forward_format`; backward: the gradient in `backward_format`, the saved
+      operand in `forward_format`; E2M1 under nvfp4), whose scales are E8M0 (mxfp8) or
+      E4M3 (nvfp4) and whose block, read from the scale shapes, is `fp8.block_size`; the
+      other GEMMs follow the compute-dtype rule, and no other GEMM has fp8 operands or is
+      block-scaled. With ``fp8.micro_gemm="emulated"`` no GEMM is block-scaled; with
+      "block_scaled" and `platform` "cuda" no microscaled GEMM is the f32 emulation
+      ("auto" takes either: it depends on the machine that traces).
 
   Args:
     gemms: `lowered_gemms(...)` of a program lowered for one platform.
     recipe: a Recipe, a preset name or a Plan. A lowered program has no module scopes:
       the compute dtypes of a plan's overrides are accepted at any GEMM.
+    platform: the platform `gemms` were lowered for (None: not known; the lowering
+      choice of `fp8.micro_gemm` is then checked only where it holds on every platform).
 
   Returns:
     One line per offending GEMM (signature, shape, name) plus a line per missing fp8
@@ -377,14 +436,31 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -
   n_fp8 = collections.Counter()
   micro = recipe.fp8 is not None and recipe.fp8.scaling in MICRO_SCALINGS
   marker = f"{recipe.fp8.scaling}_gemm" if micro else None  # precision.fp8._microdot
+  lowering = recipe.fp8.micro_gemm if micro else None
   for g in gemms:
     sig = " x ".join(g.signature()[:2]) + " -> " + g.signature()[2]
     where = f"{g.direction} {g.op} {g.shape} [{g.name or '?'}]"
     if g.out_dtype != _F32.name:
       found.append(f"GEMM result {_short(g.out_dtype)} (accumulation below f32 or a result "
                    f"not from an f32 accumulator): {sig}: {where}")
-    if micro and re.search(rf"(^|[/(]){marker}([/)]|$)", g.name):
+    in_scope = micro and re.search(rf"(^|[/(]){marker}([/)]|$)", g.name)
+    if g.op == "block_scaled_dot":
+      if in_scope:
+        n_fp8[g.direction] += 1
+        found.extend(f"{bad}: {where}" for bad in _block_scaled_violations(g, recipe))
+        if lowering == "emulated":
+          found.append(f"block-scaled GEMM {sig} with fp8.micro_gemm='emulated' (recipe "
+                       f"{recipe.name}): {where}")
+      else:
+        found.append(f"block-scaled GEMM {sig} outside the microscaled GEMMs of recipe "
+                     f"{recipe.name}: {where}")
+      continue
+    if in_scope:
       n_fp8[g.direction] += 1
+      if lowering == "block_scaled" and platform == "cuda":
+        found.append(f"{recipe.fp8.scaling} GEMM {sig} emulated in f32 with "
+                     f"fp8.micro_gemm='block_scaled' on cuda (recipe {recipe.name}), "
+                     f"expected a block-scaled GEMM: {where}")
       if (g.lhs_dtype, g.rhs_dtype) != (_F32.name, _F32.name):
         found.append(f"{recipe.fp8.scaling} GEMM operands {sig}, expected the dequantised "
                      f"f32 x f32 of the emulation (recipe {recipe.name}): {where}")
@@ -415,6 +491,35 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan) -
   return found
 
 
+_MICRO_ELEMENTS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
+                   "e2m1": ml_dtypes.float4_e2m1fn}
+_MICRO_SCALES = {"mxfp8": ml_dtypes.float8_e8m0fnu, "nvfp4": ml_dtypes.float8_e4m3fn}
+
+
+def _block_scaled_violations(g: LoweredGemm, recipe: Recipe) -> list[str]:
+  """What in one block-scaled GEMM of a microscaled recipe's scope contradicts it."""
+  fp8 = recipe.fp8
+  fwd = np.dtype(_MICRO_ELEMENTS[fp8.forward_format]).name
+  bwd = np.dtype(_MICRO_ELEMENTS[fp8.backward_format]).name
+  want = (fwd, fwd) if g.direction == "fwd" else tuple(sorted((fwd, bwd)))
+  got = (g.lhs_dtype, g.rhs_dtype)
+  got = got if g.direction == "fwd" else tuple(sorted(got))
+  scale = np.dtype(_MICRO_SCALES[fp8.scaling]).name
+  found = []
+  if got != want:
+    found.append(f"{fp8.scaling} block-scaled {g.direction} GEMM elements "
+                 f"{' x '.join(_short(t) for t in got)}, expected "
+                 f"{' x '.join(_short(t) for t in want)} (recipe {recipe.name})")
+  if (g.lhs_scale_dtype, g.rhs_scale_dtype) != (scale, scale):
+    found.append(f"{fp8.scaling} block-scaled GEMM scales {_short(g.lhs_scale_dtype)} x "
+                 f"{_short(g.rhs_scale_dtype)}, expected {_short(scale)} x {_short(scale)} "
+                 f"(recipe {recipe.name})")
+  if g.block != fp8.block_size:
+    found.append(f"{fp8.scaling} block-scaled GEMM with blocks of {g.block}, expected "
+                 f"{fp8.block_size} (recipe {recipe.name}, fp8.block_size)")
+  return found
+
+
 @dataclasses.dataclass(frozen=True)
 class LoweredProgram:
   """A program lowered for one platform: its StableHLO, GEMMs and custom calls.
@@ -441,8 +546,8 @@ class LoweredProgram:
                                if direction in (None, g.direction))
 
   def violations(self, recipe: Recipe | str | Plan) -> list[str]:
-    """`gemm_violations(self.gemms, recipe)`."""
-    return gemm_violations(self.gemms, recipe)
+    """`gemm_violations(self.gemms, recipe, self.platform)`."""
+    return gemm_violations(self.gemms, recipe, self.platform)
 
   def check(self, recipe: Recipe | str | Plan) -> "LoweredProgram":
     """Raises PrecisionViolation (a ValueError) listing every GEMM that contradicts

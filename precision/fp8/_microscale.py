@@ -38,6 +38,13 @@ amax is below 2688 * 2**-110 (about 2e-30). A block whose scale rounds to zero h
 elements; a block holding inf or NaN gets a NaN scale (its elements are zero), so it reads
 back as NaN: E2M1 has neither inf nor NaN.
 
+2D weight tiles (NVIDIA's recipe for weights): one E4M3 scale per `tile` x `tile` tile
+(16 x 16) of a matrix, the same formulas with block_amax the tile's; the tensor so
+quantised reads the same along either axis, so the forward GEMM (contraction along one
+axis) and the dgrad GEMM (along the other) multiply the same weight values.
+`nvfp4_quantize_2d` returns the tile scales; `expand_tile_scales` repeats them into the
+1 x tile block scales along one axis that `nvfp4_dequantize` and a block-scaled GEMM read.
+
 Stochastic rounding onto E2M1 (gradients, NVIDIA's recipe): with a <= |y| < b the two
 neighbouring E2M1 values, the result is b with probability (|y| - a) / (b - a), drawn from
 24 of the 32 counter-based random bits of `precision.rounding` (a hash of seed, step and
@@ -261,6 +268,51 @@ def nvfp4_quantize(x: jax.Array, *, axis: int = -1, block: int = NV_BLOCK,
     y = _e2m1_stochastic(y, rbits)
   y = jnp.where(usable, y, jnp.zeros_like(y))
   return (_from_blocks(y.astype(jnp.float4_e2m1fn), axis), jnp.moveaxis(sb, -1, axis), ts)
+
+
+def nvfp4_quantize_2d(x: jax.Array, *, axes: tuple[int, int] = (-2, -1), tile: int = NV_BLOCK
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """NVFP4 quantisation of `x` in `tile` x `tile` tiles over the two `axes` (nearest even).
+
+  Each tile is one block of `tile`**2 elements: its amax sets its E4M3 scale, as
+  `nvfp4_quantize` computes a block's (same tensor scale, same arithmetic).
+
+  Returns:
+    (elements float4_e2m1fn with x's shape, tile scales float8_e4m3fn with each of
+    `axes` of length ``len / tile``, tensor scale f32 scalar).
+
+  Raises:
+    ValueError: equal axes, or a tile not dividing one of them.
+  """
+  tile = _check_block(tile)
+  r, c = (_axis(a, x.ndim) for a in axes)
+  if r == c:
+    raise ValueError(f"axes={axes!r}; accepted: two different axes")
+  for a in (r, c):
+    if x.shape[a] % tile:
+      raise ValueError(f"nvfp4_quantize_2d: tile={tile} does not divide the length "
+                       f"{x.shape[a]} of axis {a} (shape {x.shape}); accepted: a tile "
+                       "dividing both axes")
+  y = jnp.moveaxis(x.astype(_F32), (r, c), (-2, -1))
+  lead, (nr, nc) = y.shape[:-2], y.shape[-2:]
+  # [..., nr/t, t, nc/t, t] -> [..., nr/t, nc/t, t*t]: one block per tile, row-major.
+  y = jnp.swapaxes(y.reshape(lead + (nr // tile, tile, nc // tile, tile)), -3, -2)
+  q, sb, ts = nvfp4_quantize(y.reshape(lead + (nr // tile, nc // tile, tile * tile)),
+                             axis=-1, block=tile * tile)
+  q = jnp.swapaxes(q.reshape(lead + (nr // tile, nc // tile, tile, tile)), -3, -2)
+  q = jnp.moveaxis(q.reshape(lead + (nr, nc)), (-2, -1), (r, c))
+  return q, jnp.moveaxis(sb[..., 0], (-2, -1), (r, c)), ts
+
+
+def expand_tile_scales(tile_scales: jax.Array, axes: tuple[int, int], axis: int,
+                       tile: int = NV_BLOCK) -> jax.Array:
+  """The 1 x `tile` block scales along `axis` (one of `axes`) of a 2D-tiled tensor: its
+  tile scales repeated `tile` times along the other axis."""
+  r, c = (_axis(a, tile_scales.ndim) for a in axes)
+  axis = _axis(axis, tile_scales.ndim)
+  if axis not in (r, c):
+    raise ValueError(f"axis={axis}; accepted: one of the tiled axes {r}, {c}")
+  return jnp.repeat(tile_scales, tile, axis=c if axis == r else r)
 
 
 def nvfp4_dequantize(elements: jax.Array, block_scales: jax.Array, tensor_scale: jax.Array,
