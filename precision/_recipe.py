@@ -342,9 +342,10 @@ class Fp8Config:
   quantised once in `micro_block` x `micro_block` tiles (16 x 16: one E4M3 scale per
   tile), so the forward GEMM and the dgrad GEMM multiply the same weight values, as in
   NVIDIA's NVFP4 training recipe (activations and gradients keep 1 x 16 blocks). False:
-  1 x 16 blocks along each GEMM's contraction, quantised again for dgrad. The default is
-  False so that every nvfp4 recipe written before the field existed (dicts without it)
-  keeps the numbers it ran with; NVIDIA's recipe is ``weight_block_2d=True``. Written by
+  1 x 16 blocks along each GEMM's contraction, quantised again for dgrad. The field's
+  default is False so that a recipe dict without it (written before the field existed)
+  reads back as the recipe it ran; the `nvfp4` preset sets it (NVIDIA's recipe), so a
+  checkpoint of the earlier preset is named another recipe on resume. Written by
   `to_dict` only when True.
 
   Examples:
@@ -800,10 +801,12 @@ def _presets() -> dict[str, Recipe]:
       Recipe("mxfp8", "p=f32,c=bf16,o=f32",
              fp8=Fp8Config(scaling="mxfp8", backward_format="e4m3")),
       # NVIDIA's NVFP4 recipe: E2M1 everywhere, stochastic rounding of gradients, a random
-      # Hadamard transform on the weight-gradient GEMM.
+      # Hadamard transform on the weight-gradient GEMM, 16x16 weight tiles (the forward
+      # and dgrad GEMMs multiply the same quantised weight).
       Recipe("nvfp4", "p=f32,c=bf16,o=f32",
              fp8=Fp8Config(scaling="nvfp4", forward_format="e2m1", backward_format="e2m1",
-                           stochastic_gradients=True, hadamard_wgrad=True)),
+                           stochastic_gradients=True, hadamard_wgrad=True,
+                           weight_block_2d=True)),
   )}
 
 

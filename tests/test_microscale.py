@@ -368,6 +368,9 @@ def test_autocast_gemm_is_the_format_emulation(name):
   # The operands reach the fp8 GEMM as they arrive (f32 here); its result is rounded
   # once to the compute dtype (bf16), then cast to the output dtype.
   a, b = _fake(name, h, 1), _fake(name, ws[1], 0)
+  if recipe.fp8.weight_block_2d:   # the nvfp4 preset: the weight in 16x16 tiles
+    q, tiles, ts = mpf.nvfp4_quantize_2d(ws[1], axes=(0, 1))
+    b = mpf.nvfp4_dequantize(q, mpf.expand_tile_scales(tiles, (0, 1), 0), ts, axis=0)
   want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(got.astype(jnp.bfloat16), np.float32))

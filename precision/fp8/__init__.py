@@ -35,11 +35,13 @@ from precision.fp8._linen import STATE_COLLECTION
 from precision.fp8._linen import LinenFp8DotGeneral
 from precision.fp8._linen import merge_fp8_grad_state
 from precision.fp8._metrics import fp8_metrics
+from precision.fp8._microscale import expand_tile_scales
 from precision.fp8._microscale import hadamard_matrix
 from precision.fp8._microscale import mxfp8_dequantize
 from precision.fp8._microscale import mxfp8_quantize
 from precision.fp8._microscale import nvfp4_dequantize
 from precision.fp8._microscale import nvfp4_quantize
+from precision.fp8._microscale import nvfp4_quantize_2d
 from precision.fp8._microscale import random_hadamard
 from precision.fp8._metrics import sync_fp8_state
 from precision.fp8._nnx import Fp8DotGeneral
@@ -75,18 +77,20 @@ __all__ = [
     "autocast_gemms",
     "autocast_value_and_grad",
     "einsum_dimension_numbers",
+    "expand_tile_scales",
     "fp8_dot_general",
     "fp8_metrics",
     "fp8_modules",
     "hadamard_matrix",
     "init_state",
-    "merge_grad_state",
     "merge_fp8_grad_state",
+    "merge_grad_state",
     "merge_state_grads",
     "mxfp8_dequantize",
     "mxfp8_quantize",
     "nvfp4_dequantize",
     "nvfp4_quantize",
+    "nvfp4_quantize_2d",
     "quantize",
     "random_hadamard",
     "rollback_fp8_state",
