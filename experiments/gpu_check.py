@@ -22,6 +22,12 @@ Checks (`--only`, comma-separated; default all):
   train      bf16 vs fp32 train-step throughput on `gpt2_124m` with TF32 OFF (fp32 GEMMs
              at "highest" precision), and bf16 MFU (FLOPs per token = 6N + 6LCT, llm.c).
   fp8        fp8 vs bf16 GEMM at 4096^3 and one training step (experiments.bench_fp8).
+  micro      the mxfp8 / nvfp4 GEMMs (forward and both gradients of one 2048^3 GEMM under
+             autocast) with Fp8Config(micro_gemm="block_scaled"), lowered as
+             jax.nn.scaled_matmul, against the emulation ("emulated"): whether XLA
+             compiles the block-scaled GEMMs on this GPU (cuDNN on compute capability
+             >= 10, expanded elsewhere), their largest difference from the emulation
+             relative to its largest value, and both times. What "auto" picks here too.
 
 Prints a table last and writes gpu_check.json (versions included) to --out (default $OUT
 or ./gpu_check_out).
@@ -43,7 +49,7 @@ import numpy as np
 
 from experiments.timing import median_seconds
 
-CHECKS = ("kernels", "bandwidth", "train", "fp8")
+CHECKS = ("kernels", "bandwidth", "train", "fp8", "micro")
 # Versions printed first; a package missing from the machine prints "not installed".
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "numpy", "ml_dtypes")
 
@@ -150,6 +156,40 @@ def train_throughput(model: str, batch: int, seq: int, repeats: int) -> dict:
           "mfu": {k: v["mfu"] for k, v in rows.items()}}
 
 
+def micro_lowering(n: int, repeats: int) -> dict:
+  """mxfp8 / nvfp4 block-scaled GEMMs against their emulation on one [n, n] x [n, n]
+  GEMM, forward and gradients (see the module docstring); an error is reported, not
+  raised (it is the finding: this GPU's XLA cannot compile them)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import precision as mp  # pylint: disable=g-import-not-at-top
+  from precision.fp8 import _microdot  # pylint: disable=g-import-not-at-top
+  k = jax.random.split(jax.random.key(0), 2)
+  x = jax.random.normal(k[0], (n, n), jnp.float32)
+  w = jax.random.normal(k[1], (n, n), jnp.float32) / np.sqrt(n)
+  out: dict = {"n": n, "auto_picks": _microdot.resolve_gemm("auto")}
+  for name in ("mxfp8", "nvfp4"):
+    base = mp.get_recipe(name)
+    runs = {}
+    for mode in ("emulated", "block_scaled"):
+      recipe = base.replace(name=f"{name}_{mode}", fp8=dataclasses.replace(
+          base.fp8, keep_first_last=False, micro_gemm=mode))
+      fn = jax.jit(jax.value_and_grad(mp.autocast(
+          lambda x, w: jnp.sum(jnp.square(x @ w)), recipe), argnums=(0, 1)))
+      try:
+        value = jax.block_until_ready(fn(x, w))
+        runs[mode] = (value, median_seconds(fn, x, w, repeats=repeats))
+      except Exception as e:  # pylint: disable=broad-except
+        runs[mode] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    row = {f"{m}_s": t for m, (_, t) in runs.items()}
+    (ve, _), (vb, _) = runs["emulated"], runs["block_scaled"]
+    if ve is not None and vb is not None:
+      le, lb = jax.tree.leaves(ve), jax.tree.leaves(vb)
+      row["max_rel_diff"] = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+                                for a, b in zip(le, lb))
+    out[name] = row
+  return out
+
+
 def main(argv=None) -> int:
   args = parser().parse_args(argv)
   dry, checks = args.dry_run, args.only
@@ -182,6 +222,8 @@ def main(argv=None) -> int:
   if "fp8" in checks:
     from experiments import bench_fp8  # pylint: disable=g-import-not-at-top
     res["fp8"] = bench_fp8.run(quick=dry)
+  if "micro" in checks:
+    res["micro"] = micro_lowering(256 if dry else 2048, 2 if dry else 10)
   res["seconds"] = time.perf_counter() - t0
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
@@ -206,6 +248,15 @@ def main(argv=None) -> int:
     print(f"| fp8 / bf16 GEMM {res['fp8']['gemm_n']}^3 | " + ", ".join(
         f"{k} {v:.2f}x" for k, v in res["fp8"]["gemm_fp8_over_bf16"].items()) + " |")
     print(f"| fp8 / bf16 train step | {res['fp8']['step_fp8_over_bf16']:.2f}x |")
+  if "micro" in res:
+    m = res["micro"]
+    print(f"| micro_gemm 'auto' picks here | {m['auto_picks']} |")
+    for name in ("mxfp8", "nvfp4"):
+      r = m[name]
+      t = lambda v: f"{v * 1e3:.2f} ms" if isinstance(v, float) else str(v)
+      print(f"| {name} {m['n']}^3 fwd+grads: emulated / block_scaled / max rel diff | "
+            f"{t(r['emulated_s'])} / {t(r['block_scaled_s'])} / "
+            f"{fmt(r.get('max_rel_diff'), '.2e')} |")
   print(f"| total seconds | {res['seconds']:.0f} |")
   return 0
 

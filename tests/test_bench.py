@@ -108,6 +108,10 @@ def test_gpu_check_dry_run(tmp_path):
       "fused_adamw_sr_master=False": 1.0, "fused_adamw_sr_master=True": 1.0}
   tr, bw = res["train"], res["bandwidth"]
   _same(tr["bf16_over_fp32"], _ratio(tr["tokens_per_s"]["bf16_mixed"], tr["tokens_per_s"]["fp32"]))
+  # On a CPU "block_scaled" runs the emulation (the platform switch's default branch).
+  assert res["micro"]["auto_picks"] == "emulated"
+  for name in ("mxfp8", "nvfp4"):
+    assert res["micro"][name]["max_rel_diff"] == 0.0
   _same(bw["pallas_sr_vs_copy"], _ratio(bw["pallas_sr_bytes_per_s"], bw["copy_bytes_per_s"]))
 
 
