@@ -14,6 +14,10 @@ training step can measure every GEMM tensor without copying it to the host:
   above ~300 dB reads as inf). x - round(x) is exact in f32 for every format here (the rounding only
   drops low bits of x), so the noise terms carry no extra rounding.
 * Counts are int32 sums: exact for tensors of up to 2**31 - 1 elements.
+* Cost: the counts and extrema of a group of rows come from two variadic reduces (one
+  loop over the data each, every rounding computed once in the second); each f32 sum
+  (a signal or noise term) stays a reduction of its own, so its order of addition, and
+  every bit of the SQNRs, is that of a plain f32 sum.
 * A device that flushes f32 subnormals (XLA:CPU in compiled code) measures values below
   f32's smallest normal (1.2e-38) as zeros; only bf16's own subnormals live there.
 """
@@ -62,40 +66,56 @@ def round_to(x32: jnp.ndarray, dtype) -> jnp.ndarray:
   return x32.astype(dtype).astype(jnp.float32)
 
 
-def _count(mask):
-  return jnp.sum(mask, axis=1, dtype=jnp.int32)
-
-
 def _frac(count, total):
   return jnp.where(total > 0, count.astype(jnp.float32)
                    / jnp.maximum(total, 1).astype(jnp.float32), 0.0)
 
 
-def _rounding(x, r, nz, n, inv, fp8_max, signal) -> list:
-  """[underflow, overflow, saturated, sqnr_db] per row of the elements under `nz`, and the
-  finiteness and magnitude of `r` (the rounding of x, both scaled alike); `inv` [g, 1]
-  what SQNR's sums multiply by; `fp8_max` [g, 1] the fp8 max of each row's format (0: not
-  fp8), None when no row is fp8 (saturated is then 0); `signal` [g] the rows' sum of
-  (x * inv)^2 over `nz` (the same for every format of one scaling)."""
-  finite_r = jnp.isfinite(r)
-  mag = jnp.abs(r)
-  underflow = _frac(_count(nz & (r == 0)), n)
-  overflow = _frac(_count(nz & ~finite_r), n)
-  if fp8_max is None:
-    saturated = jnp.zeros(n.shape, jnp.float32)
-  else:
-    saturated = _frac(_count(nz & (fp8_max > 0) & (mag == fp8_max)), n)
-  e = jnp.where(nz & finite_r, (x - r) * inv, 0.0)
-  noise = jnp.sum(e * e, axis=1)
+def _row_reduce(terms) -> list:
+  """Several row statistics of [g, n] operands in one pass: `terms` holds (kind, operand)
+  pairs, kind "count" (a bool mask, summed as int32), "max" or "min" (f32). One variadic
+  reduce: XLA emits a single loop over the rows with every operand's elementwise producer
+  fused into it, where separate reductions are one pass over the data each (XLA:CPU does
+  not fuse sibling reductions). Counts and extrema do not depend on the order of the
+  reduction; f32 sums do, and are `_sum`s of their own. Returns the [g] results in order."""
+  kinds = [k for k, _ in terms]
+  ops = tuple(m.astype(jnp.int32) if k == "count" else m for k, m in terms)
+  init = tuple(np.int32(0) if k == "count" else
+               np.float32(-np.inf) if k == "max" else np.float32(np.inf) for k in kinds)
+
+  def combine(a, b):
+    return tuple(u + v if k == "count" else jnp.maximum(u, v) if k == "max" else
+                 jnp.minimum(u, v) for k, u, v in zip(kinds, a, b))
+  return list(lax.reduce(ops, init, combine, (1,)))
+
+
+def _sum(e):
+  """The f32 row sums of e * e: a reduction of its own, in the order XLA chooses for a
+  single-operand f32 sum (vectorised partial sums on the CPU), which a variadic reduce
+  does not keep: its loop adds element by element."""
+  return jnp.sum(e * e, axis=1)
+
+
+def _sqnr(signal, noise, overflow, n):
   sqnr = jnp.where(noise > 0, 10.0 * jnp.log10(signal / jnp.where(noise > 0, noise, 1.0)),
                    jnp.inf)
-  sqnr = jnp.where(overflow > 0, -jnp.inf, jnp.where(n > 0, sqnr, jnp.inf))
-  return [underflow, overflow, saturated, sqnr, finite_r, mag]
+  return jnp.where(overflow > 0, -jnp.inf, jnp.where(n > 0, sqnr, jnp.inf))
 
 
-def _signal(x, nz, inv):
-  s = jnp.where(nz, x * inv, 0.0)
-  return jnp.sum(s * s, axis=1)
+class _Rounded:
+  """One rounding r of the values v of a block ([g, n] f32, scaled as SQNR measures them
+  with `inv` [g, 1]): its count terms and its noise, to be reduced with the others."""
+
+  def __init__(self, v, r, nz, inv):
+    self.v, self.r, self.nz, self.inv = v, r, nz, inv
+    self.finite = jnp.isfinite(r)
+
+  def counts(self):
+    """(kind, mask) terms of underflow and overflow."""
+    return [("count", self.nz & (self.r == 0)), ("count", self.nz & ~self.finite)]
+
+  def noise(self):
+    return _sum(jnp.where(self.nz & self.finite, (self.v - self.r) * self.inv, 0.0))
 
 
 def _normaliser(amax):
@@ -115,14 +135,20 @@ def _current_scale(amax, dtype):
 
 
 def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
-  """The statistics of each row of x (f32 [g, n]), row i rounded to dtypes[i]: [g, F]."""
+  """The statistics of each row of x (f32 [g, n]), row i rounded to dtypes[i]: [g, F].
+
+  Two passes over the data for every count and extremum (one variadic reduce each: the
+  first for amax, which the scaled roundings and SQNR's normaliser need, the second for
+  every rounding's counts), plus one f32 sum per signal and noise term."""
   size = x.shape[1]
   finite = jnp.isfinite(x)
   nz = finite & (x != 0)
-  n = _count(nz)
   mag = jnp.where(nz, jnp.abs(x), 0.0)
-  amax = jnp.where(n > 0, jnp.max(mag, axis=1), 0.0)
-  amin = jnp.where(n > 0, jnp.min(jnp.where(nz, mag, jnp.inf), axis=1), 0.0)
+  n, n_nonfinite, n_zeros, amax_all, amin_all = _row_reduce(
+      [("count", nz), ("count", ~finite), ("count", x == 0), ("max", mag),
+       ("min", jnp.where(nz, mag, jnp.inf))])
+  amax = jnp.where(n > 0, amax_all, 0.0)
+  amin = jnp.where(n > 0, amin_all, 0.0)
   drange = jnp.where(n > 0, jnp.log2(jnp.where(n > 0, amax, 1.0))
                      - jnp.log2(jnp.where(n > 0, amin, 1.0)), 0.0)
   # Each row's format: one rounding per distinct dtype, selected by row.
@@ -139,24 +165,48 @@ def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
       if _stats.is_fp8(d):
         fp8_max[rows] = formats.info(d).max
   inv = _normaliser(amax)[:, None]
-  signal = _signal(x, nz, inv)
-  underflow, overflow, saturated, sqnr, finite_r, rmag = _rounding(
-      x, r, nz, n, inv, fp8_max if fp8_max.any() else None, signal)
-  subnormal = _frac(_count(nz & finite_r & (r != 0) & (rmag < smallest)), n)
-  total = jnp.full(n.shape, size, jnp.int32)
-  out = [n.astype(jnp.float32), _frac(_count(~finite), total), _frac(_count(x == 0), total),
-         amax, amin, drange, underflow, subnormal, overflow, saturated, sqnr]
+  own = _Rounded(x, r, nz, inv)
+  rmag = jnp.abs(r)
+  terms = own.counts() + [("count", nz & own.finite & (r != 0) & (rmag < smallest))]
+  if fp8_max.any():
+    terms.append(("count", nz & (fp8_max > 0) & (rmag == fp8_max)))
+  sums = [_sum(jnp.where(nz, x * inv, 0.0)), own.noise()]   # signal, own noise
+  # What-ifs: each format's rounding once, its counts in the same pass as the others'.
+  # A what-if format that is every row's own (bf16 rows, bf16 what-if) is the same
+  # rounding of the same values: its statistics are the row's own.
+  plan = []
   if whatif:
     for _, fmt, scaled in _stats.WHATIF:
+      if not scaled and kinds == [np.dtype(fmt)]:
+        plan.append(("own", None))
+        continue
       if scaled:
         scale = _current_scale(amax, fmt)
-        v, a = x * scale[:, None], amax * scale
-        w_inv = _normaliser(a)[:, None]
-        w_signal = _signal(v, nz, w_inv)
+        v = x * scale[:, None]
+        w_inv = _normaliser(amax * scale)[:, None]
+        signal = len(sums)
+        sums.append(_sum(jnp.where(nz, v * w_inv, 0.0)))
       else:  # the values measured above: their signal is the one already summed
-        v, w_inv, w_signal = x, inv, signal
-      u, o, _, q, _, _ = _rounding(v, round_to(v, fmt), nz, n, w_inv, None, w_signal)
-      out += [u, o, q]
+        v, w_inv, signal = x, inv, 0
+      w = _Rounded(v, round_to(v, fmt), nz, w_inv)
+      plan.append((len(terms), (signal, len(sums))))
+      terms += w.counts()
+      sums.append(w.noise())
+  counts = _row_reduce(terms)
+  underflow, overflow = _frac(counts[0], n), _frac(counts[1], n)
+  subnormal = _frac(counts[2], n)
+  saturated = (_frac(counts[3], n) if fp8_max.any() else jnp.zeros(n.shape, jnp.float32))
+  sqnr = _sqnr(sums[0], sums[1], overflow, n)
+  total = jnp.full(n.shape, size, jnp.int32)
+  out = [n.astype(jnp.float32), _frac(n_nonfinite, total), _frac(n_zeros, total),
+         amax, amin, drange, underflow, subnormal, overflow, saturated, sqnr]
+  for at, where in plan:
+    if at == "own":
+      out += [underflow, overflow, sqnr]
+      continue
+    signal, noise = where
+    u, o = _frac(counts[at], n), _frac(counts[at + 1], n)
+    out += [u, o, _sqnr(sums[signal], sums[noise], o, n)]
   return jnp.stack([jnp.asarray(c, jnp.float32) for c in out], axis=1)
 
 
