@@ -169,9 +169,13 @@ def test_passes_are_bit_identical_to_one_reduction_per_statistic(dtypes, whatif)
 
 def test_reductions_in_the_compiled_program():
   """Counts and extrema of a group of rows come from two variadic reduce loops (one
-  before amax is known, one after); each f32 sum (signal and noise terms) is its own."""
+  before amax is known, one after, with MXFP8's counts where its blocks tile the rows
+  in place); each f32 sum (signal and noise terms) is its own, and MXFP8 adds one
+  reduction for its block amax."""
   x = jnp.asarray(_rows(4, 512, 0))
-  for whatif, sums in ((False, 2), (True, 7)):
+  # bf16 rows: signal and noise; what-ifs: f16 noise, e4m3 and e5m2 signal and noise,
+  # MXFP8 noise and block amax (the bf16 what-if is the rows' own rounding).
+  for whatif, sums in ((False, 2), (True, 2 + 1 + 4 + 2)):
     hlo = jax.jit(lambda x: _device_stats.batch_stats(list(x), [BF16] * 4, whatif)).lower(
         x).as_text()
     assert hlo.count("stablehlo.reduce(") == 2 + sums, (whatif, hlo.count("stablehlo.reduce("))

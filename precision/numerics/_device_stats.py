@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from precision import formats
+from precision.fp8 import _microscale
 from precision.numerics import _stats
 
 # The order of the statistics in the vector `tensor_stats` returns (after `size`, which is
@@ -147,12 +148,38 @@ def _current_scale(amax, dtype):
                    np.float32(1.0))
 
 
-def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
+def _mxfp8(xm, layout, inv) -> _Rounded:
+  """The MXFP8 rounding of rows xm (f32 [g, pre * k * post], the tensors arranged by
+  `layout`, see _stats.block_layout) as precision.fp8.mxfp8_quantize and
+  mxfp8_dequantize compute it (scale_rounding "up": the same scale exponent and exact
+  ldexp; the E4M3 rounding is `round_to`'s, bit for bit the convert's), on the rows
+  zero-padded to whole blocks: [g, pre * n_blocks * MX_BLOCK * post]."""
+  _, pre, k, post = layout
+  g, nb = xm.shape[0], -(-k // _stats.MX_BLOCK)
+  a = xm.reshape(g, pre, k, post)
+  if nb * _stats.MX_BLOCK != k:
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, nb * _stats.MX_BLOCK - k), (0, 0)))
+  b = a.reshape(g, pre, nb, _stats.MX_BLOCK, post)
+  amax = jnp.max(jnp.where(jnp.isfinite(b), jnp.abs(b), 0.0), axis=3, keepdims=True)
+  s = _microscale.e8m0_exponent(amax, "e4m3", "up")
+  y = _microscale.ldexp(b, -s)
+  fmax = np.float32(formats.info(_E4M3).max)
+  q = round_to(jnp.where(jnp.isfinite(b), jnp.clip(y, -fmax, fmax), y), _E4M3)
+  r = _microscale.ldexp(q, s).reshape(g, -1)
+  b = b.reshape(g, -1)
+  return _Rounded(b, r, jnp.isfinite(b) & (b != 0), inv)
+
+
+def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
   """The statistics of each row of x (f32 [g, n]), row i rounded to dtypes[i]: [g, F].
+
+  `layout` (_stats.block_layout of the rows' tensors; default: the rows as they are)
+  places the MXFP8 blocks, `xm` the rows transposed by its perm (None: x).
 
   Two passes over the data for every count and extremum (one variadic reduce each: the
   first for amax, which the scaled roundings and SQNR's normaliser need, the second for
-  every rounding's counts), plus one f32 sum per signal and noise term."""
+  every rounding's counts; MXFP8's join it where its blocks tile the rows in place, and
+  add a block amax reduction), plus one f32 sum per signal and noise term."""
   size = x.shape[1]
   finite = jnp.isfinite(x)
   nz = finite & (x != 0)
@@ -188,12 +215,24 @@ def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
   # A what-if format that is every row's own (bf16 rows, bf16 what-if) is the same
   # rounding of the same values: its statistics are the row's own.
   plan = []
+  extra = []   # counts of an MXFP8 rounding whose padded rows are not x's
   if whatif:
-    for _, fmt, scaled in _stats.WHATIF:
-      if not scaled and kinds == [np.dtype(fmt)]:
+    for _, fmt, scaling in _stats.WHATIF:
+      if scaling == "none" and kinds == [np.dtype(fmt)]:
         plan.append(("own", None))
         continue
-      if scaled:
+      if scaling == "block":
+        layout = layout or (None, 1, size, 1)
+        w = _mxfp8(x if xm is None else xm, layout, inv)
+        sums.append(w.noise())   # its signal: the values', summed above
+        if layout[0] is None and layout[2] % _stats.MX_BLOCK == 0:
+          plan.append((len(terms), (0, len(sums) - 1)))
+          terms += w.counts()
+        else:
+          plan.append((("extra", len(extra)), (0, len(sums) - 1)))
+          extra += w.counts()
+        continue
+      if scaling == "tensor":
         scale = _current_scale(amax, fmt)
         v = x * scale[:, None]
         w_inv = _normaliser(amax * scale)[:, None]
@@ -206,6 +245,7 @@ def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
       terms += w.counts()
       sums.append(w.noise())
   counts = _row_reduce(terms)
+  extra = _row_reduce(extra) if extra else []
   underflow, overflow = _frac(counts[0], n), _frac(counts[1], n)
   subnormal = _frac(counts[2], n)
   saturated = (_frac(counts[3], n) if fp8_max.any() else jnp.zeros(n.shape, jnp.float32))
@@ -218,35 +258,53 @@ def _block_stats(x, dtypes, whatif: bool) -> jnp.ndarray:
       out += [underflow, overflow, sqnr]
       continue
     signal, noise = where
-    u, o = _frac(counts[at], n), _frac(counts[at + 1], n)
+    c, at = (extra, at[1]) if isinstance(at, tuple) else (counts, at)
+    u, o = _frac(c[at], n), _frac(c[at + 1], n)
     out += [u, o, _sqnr(sums[signal], sums[noise], o, n)]
   return jnp.stack([jnp.asarray(c, jnp.float32) for c in out], axis=1)
 
 
-def batch_stats(values, dtypes, whatif: bool = True) -> jnp.ndarray:
+def batch_stats(values, dtypes, whatif: bool = True, block_axes=None) -> jnp.ndarray:
   """The statistics of each tensor `values[i]` rounded to `dtypes[i]`, as f32
   [len(values), len(FIELDS)] (BASE_FIELDS only when `whatif` is False). Definitions:
   precision.numerics.TensorStats.
 
-  Tensors of one size are stacked and measured together (dense reductions along the
-  rows), so the program has one set of operations per distinct tensor size, not per
-  tensor (a transformer's layers repeat a few sizes); it holds one f32 copy of each
-  stacked group while it runs.
+  `block_axes[i]`: the axes the MXFP8 what-if's blocks run along in `values[i]`
+  (_stats.block_layout: a GEMM operand's contraction axes); None (for the whole list or
+  one tensor): its last axis.
+
+  Tensors of one size and one block layout are stacked and measured together (dense
+  reductions along the rows), so the program has one set of operations per distinct
+  tensor shape, not per tensor (a transformer's layers repeat a few); it holds one f32
+  copy of each stacked group while it runs (two where the blocks need a transposition).
   """
   k = len(values)
   fields = FIELDS if whatif else BASE_FIELDS
   if k == 0:
     return jnp.zeros((0, len(fields)), jnp.float32)
   dtypes = [np.dtype(d) for d in dtypes]
-  sizes = [int(np.prod(np.shape(v))) for v in values]
-  groups: dict[int, list[int]] = {}
-  for i, n in enumerate(sizes):
-    groups.setdefault(n, []).append(i)
+  if block_axes is None:
+    block_axes = [None] * k
+  if len(block_axes) != k or len(dtypes) != k:
+    raise ValueError(f"batch_stats: {k} values, {len(dtypes)} dtypes and "
+                     f"{len(block_axes)} block_axes; accepted: one of each per tensor")
+  layouts = [_stats.block_layout(np.shape(v), a) for v, a in zip(values, block_axes)]
+  groups: dict[tuple, list[int]] = {}
+  for i, v in enumerate(values):
+    n = int(np.prod(np.shape(v)))
+    # The layout only matters to the MXFP8 column: without what-ifs, group by size.
+    groups.setdefault((n, layouts[i] if whatif else None), []).append(i)
   blocks, order = [], []
-  for n, idx in groups.items():
-    x = jnp.stack([jnp.ravel(values[i]).astype(jnp.float32) for i in idx])
-    blocks.append(_empty(len(idx), whatif) if n == 0 else
-                  _block_stats(x, [dtypes[i] for i in idx], whatif))
+  for (n, layout), idx in groups.items():
+    if n == 0:
+      blocks.append(_empty(len(idx), whatif))
+    else:
+      x = jnp.stack([jnp.ravel(values[i]).astype(jnp.float32) for i in idx])
+      xm = None
+      if layout is not None and layout[0] is not None:
+        xm = jnp.stack([jnp.ravel(jnp.transpose(values[i], layout[0])).astype(jnp.float32)
+                        for i in idx])
+      blocks.append(_block_stats(x, [dtypes[i] for i in idx], whatif, layout, xm))
     order += idx
   if len(blocks) == 1:
     return blocks[0]
@@ -261,6 +319,6 @@ def _empty(g: int, whatif: bool) -> jnp.ndarray:
   return jnp.asarray(np.tile(row, (g, 1)))
 
 
-def tensor_stats(x, dtype, whatif: bool = True) -> jnp.ndarray:
+def tensor_stats(x, dtype, whatif: bool = True, block_axes=None) -> jnp.ndarray:
   """batch_stats of one tensor: an f32 vector in the order of FIELDS."""
-  return batch_stats([x], [dtype], whatif)[0]
+  return batch_stats([x], [dtype], whatif, [block_axes])[0]
