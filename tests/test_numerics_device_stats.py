@@ -136,6 +136,20 @@ def _rows(g, n, seed):
   flat[idx[2 * k:3 * k]] = -np.inf
   flat[idx[3 * k:4 * k]] = np.nan
   flat[idx[4 * k:]] = (2.0 ** 62 * rng.standard_normal(len(idx) - 4 * k)).astype(np.float32)
+  # Every format's rounding boundaries and their f32 neighbours, in rows 1 to g-2: half
+  # the smallest subnormal, the largest subnormal's tie with the smallest normal, max's
+  # ties with its lower neighbour and with overflow (each a tie to even).
+  edges = []
+  for d in (BF16, F16, E4M3, E5M2):
+    fi = ml_dtypes.finfo(d)
+    tiny, normal, fmax = float(fi.smallest_subnormal), float(fi.smallest_normal), float(fi.max)
+    ulp = 2.0 ** (np.floor(np.log2(fmax)) - fi.nmant)
+    for t in (tiny / 2, 1.5 * tiny, normal - tiny / 2, fmax - ulp / 2, fmax, fmax + ulp / 2):
+      t = np.float32(t)
+      if t >= np.finfo(np.float32).smallest_normal:
+        edges += [t, np.nextafter(t, np.float32(0)), np.nextafter(t, np.float32(np.inf))]
+  edges = np.asarray(edges + [-e for e in edges], np.float32)
+  x[1:-1, -len(edges):] = edges
   x[-1] = 0.0
   # A row of ordinary values (no huge one): SQNR's unnormalised branch with real noise.
   x[0] = rng.standard_normal(n).astype(np.float32)
@@ -201,3 +215,24 @@ def test_e4m3_rounding_is_the_converts_bit_for_bit():
   same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
   assert same.all(), (x[~same][:5], got[~same][:5], want[~same][:5])
   assert np.isnan(want).sum() > 1000 and (want == 448.0).any() and (want == 2.0 ** -9).any()
+
+
+@pytest.mark.parametrize("axis", [2, 1])
+def test_device_mxfp8_is_the_recipes_quantiser_bit_for_bit(axis):
+  """The MXFP8 what-if's rounding on the device against precision.fp8.mxfp8_quantize
+  then mxfp8_dequantize (scale_rounding "up"), along the last and a middle axis, with
+  magnitudes over 2**+-26 and blocks near f32's max (where 2**s * 448 passes it and a
+  dequantised element overflows to inf)."""
+  from precision.fp8 import _microscale
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((4, 64, 96)) * np.exp(rng.standard_normal((4, 64, 96)) * 6)
+  x = x.astype(np.float32)
+  x[0, 0, :5] = (3e38, -3.3e38, 1e-30, 2.0 ** 100, 0.0)
+  x[1, 1, :32] = 3.3e38
+  q, s = _microscale.mxfp8_quantize(jnp.asarray(x), "e4m3", axis=axis)
+  want = np.asarray(_microscale.mxfp8_dequantize(q, s, axis=axis))
+  layout = _stats.block_layout(x.shape, (axis,))
+  got = np.asarray(jax.jit(lambda v: _device_stats._mxfp8(
+      v.reshape(1, -1), layout, jnp.ones((1, 1), jnp.float32)).r)(x)).reshape(x.shape)
+  assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+  assert np.isinf(want).any() and (want == 0).any()

@@ -27,7 +27,10 @@ training step can measure every GEMM tensor without copying it to the host:
 from __future__ import annotations
 
 
+import math
+
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
@@ -50,6 +53,12 @@ FIELDS = BASE_FIELDS + WHATIF_FIELDS
 _REDUCE = {np.dtype(jnp.bfloat16): (8, 7, None), np.dtype(jnp.float16): (5, 10, 2.0 ** -24),
            np.dtype(jnp.float8_e5m2): (5, 2, 2.0 ** -16)}
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
+# MXFP8 (see _MxRounded): E4M3's half smallest subnormal; the scale exponent at which a
+# dequantised element can pass f32's max (ceil(log2(f32 max / 448))); the scaled
+# magnitude from which it does.
+_MX_UNDER = np.float32(2.0 ** -10)
+_MX_OVER_S = 120
+_MX_OVER_Y = np.float32(248.0)
 
 
 def round_to(x32: jnp.ndarray, dtype) -> jnp.ndarray:
@@ -116,20 +125,48 @@ def _sqnr(signal, noise, overflow, n):
   return jnp.where(overflow > 0, -jnp.inf, jnp.where(n > 0, sqnr, jnp.inf))
 
 
+def _thresholds(dtype) -> tuple:
+  """(under, over, sub_lo, sub_hi, sat_lo): f32 bounds on |v| of a finite f32 v that say
+  what its round-to-nearest-even r in `dtype` is, without rounding: r == 0 iff
+  |v| <= under; r non-finite iff |v| > over; r subnormal (finite, nonzero, below the
+  smallest normal) iff sub_lo < |v| < sub_hi; |r| == max iff sat_lo < |v| <= over.
+  Ties go to the even neighbour: 0 below the smallest subnormal, the smallest normal
+  above the largest subnormal, and at max + ulp/2 to inf where max's last mantissa bit
+  is 1 (bf16, f16, E5M2) but to max where it is 0 (E4M3, whose 464 rounds to 448). For
+  f32 (stored as is) nothing is rounded: no bound is ever crossed."""
+  dtype = np.dtype(dtype)
+  if dtype.itemsize >= 4:
+    return (np.float32(-1.0), np.float32(np.inf), np.float32(np.inf), np.float32(0.0),
+            np.float32(np.inf))
+  fi = ml_dtypes.finfo(dtype)
+  tiny, normal, fmax = (float(fi.smallest_subnormal), float(fi.smallest_normal),
+                        float(fi.max))
+  ulp = 2.0 ** (math.floor(math.log2(fmax)) - int(fi.nmant))
+  even = int(round(fmax / ulp)) % 2 == 0   # max's last mantissa bit
+  below = lambda t: np.nextafter(np.float32(t), np.float32(0))   # |v| >= t iff |v| > below(t)
+  over = np.float32(fmax + ulp / 2) if even else below(fmax + ulp / 2)
+  sat_lo = below(fmax - ulp / 2) if even else np.float32(fmax - ulp / 2)
+  return (np.float32(tiny / 2), over, np.float32(tiny / 2), np.float32(normal - tiny / 2),
+          sat_lo)
+
+
 class _Rounded:
   """One rounding r of the values v of a block ([g, n] f32, scaled as SQNR measures them
-  with `inv` [g, 1]): its count terms and its noise, to be reduced with the others."""
+  with `inv` [g, 1]): its noise, and its count terms from `_thresholds` on |v| (the same
+  counts as from r, without computing r in the pass that counts)."""
 
-  def __init__(self, v, r, nz, inv):
+  def __init__(self, v, r, nz, inv, bounds):
     self.v, self.r, self.nz, self.inv = v, r, nz, inv
-    self.finite = jnp.isfinite(r)
+    self.under, self.over = bounds
 
   def counts(self):
     """(kind, mask) terms of underflow and overflow."""
-    return [("count", self.nz & (self.r == 0)), ("count", self.nz & ~self.finite)]
+    mag = jnp.abs(self.v)
+    return [("count", self.nz & (mag <= self.under)), ("count", self.nz & (mag > self.over))]
 
   def noise(self):
-    return _sum(jnp.where(self.nz & self.finite, (self.v - self.r) * self.inv, 0.0))
+    finite = jnp.isfinite(self.r)
+    return _sum(jnp.where(self.nz & finite, (self.v - self.r) * self.inv, 0.0))
 
 
 def _normaliser(amax):
@@ -148,12 +185,26 @@ def _current_scale(amax, dtype):
                    np.float32(1.0))
 
 
+def _pow2(k):
+  """2.0**k in f32 for int32 k in [-126, 127] (a normal number), from its bits."""
+  return lax.bitcast_convert_type((k + 127).astype(jnp.uint32) << np.uint32(23),
+                                  jnp.float32)
+
+
 def _mxfp8(xm, layout, inv) -> _Rounded:
   """The MXFP8 rounding of rows xm (f32 [g, pre * k * post], the tensors arranged by
-  `layout`, see _stats.block_layout) as precision.fp8.mxfp8_quantize and
-  mxfp8_dequantize compute it (scale_rounding "up": the same scale exponent and exact
-  ldexp; the E4M3 rounding is `round_to`'s, bit for bit the convert's), on the rows
-  zero-padded to whole blocks: [g, pre * n_blocks * MX_BLOCK * post]."""
+  `layout`, see _stats.block_layout) on the rows zero-padded to whole blocks:
+  [g, pre * n_blocks * MX_BLOCK * post].
+
+  As precision.fp8.mxfp8_quantize and mxfp8_dequantize compute it (scale_rounding
+  "up"): the same scale exponent s (`e8m0_exponent`) and E4M3 rounding (`round_to`'s,
+  bit for bit the convert's); the scalings by 2**-s and 2**s, which those do with an
+  exact integer ldexp, are multiplications by normal powers of two (2**s in two halves):
+  exact wherever the result is a normal f32, so the same values, at a fraction of the
+  cost. Below f32's smallest normal a backend that flushes subnormals reads 0 where the
+  ldexp keeps a subnormal: an element scaled that far down is 0 in E4M3 either way, and
+  a dequantised value there belongs to a tensor whose values are themselves f32
+  subnormals (which such a backend flushes on input, see the module docstring)."""
   _, pre, k, post = layout
   g, nb = xm.shape[0], -(-k // _stats.MX_BLOCK)
   a = xm.reshape(g, pre, k, post)
@@ -161,13 +212,32 @@ def _mxfp8(xm, layout, inv) -> _Rounded:
     a = jnp.pad(a, ((0, 0), (0, 0), (0, nb * _stats.MX_BLOCK - k), (0, 0)))
   b = a.reshape(g, pre, nb, _stats.MX_BLOCK, post)
   amax = jnp.max(jnp.where(jnp.isfinite(b), jnp.abs(b), 0.0), axis=3, keepdims=True)
+  # s <= 120 for any finite amax (f32's max is below 448 * 2**120), so 2**-s is normal.
   s = _microscale.e8m0_exponent(amax, "e4m3", "up")
-  y = _microscale.ldexp(b, -s)
-  fmax = np.float32(formats.info(_E4M3).max)
-  q = round_to(jnp.where(jnp.isfinite(b), jnp.clip(y, -fmax, fmax), y), _E4M3)
-  r = _microscale.ldexp(q, s).reshape(g, -1)
-  b = b.reshape(g, -1)
-  return _Rounded(b, r, jnp.isfinite(b) & (b != 0), inv)
+  half = s // 2   # s in [-127, 120]: both halves in [-64, 60]
+  down, up1, up2 = _pow2(jnp.maximum(-s, -126)), _pow2(half), _pow2(s - half)
+  # |b * 2**-s| <= 448 by the choice of s: the quantiser's clip to +-448 changes nothing.
+  q = round_to(b * down, _E4M3)
+  r = ((q * up1) * up2).reshape(g, -1)
+  nz = jnp.isfinite(b) & (b != 0)
+  return _MxRounded(b.reshape(g, -1), r, nz.reshape(g, -1), inv,
+                    (jnp.abs(b * down) <= _MX_UNDER).reshape(g, -1),
+                    ((s == _MX_OVER_S) & (jnp.abs(b * down) >= _MX_OVER_Y)).reshape(g, -1))
+
+
+class _MxRounded(_Rounded):
+  """An MXFP8 rounding: underflow and overflow from the scaled element y = x / 2**s
+  without rounding it: y rounds to 0 in E4M3 iff |y| <= 2**-10 (half its smallest
+  subnormal, a tie to 0); q * 2**s passes f32's max only for s = 120 (the largest s
+  of a finite amax) and |q| >= 256, i.e. |y| >= 248 (the tie of 240 and 256 goes to
+  256)."""
+
+  def __init__(self, v, r, nz, inv, zero, big):
+    super().__init__(v, r, nz, inv, (None, None))
+    self.zero, self.big = zero, big
+
+  def counts(self):
+    return [("count", self.nz & self.zero), ("count", self.nz & self.big)]
 
 
 def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
@@ -195,21 +265,22 @@ def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
   kinds = sorted(set(dtypes), key=str)
   which = np.asarray([kinds.index(d) for d in dtypes], np.int32)[:, None]
   r = x
-  fp8_max = np.zeros((len(dtypes), 1), np.float32)
-  smallest = np.zeros((len(dtypes), 1), np.float32)
+  bounds = np.zeros((5, len(dtypes), 1), np.float32)
+  fp8 = np.zeros((len(dtypes), 1), bool)
   for j, d in enumerate(kinds):
     rows = which == j
     if d.itemsize < 4:
       r = jnp.where(rows, round_to(x, d), r) if len(kinds) > 1 else round_to(x, d)
-      smallest[rows] = formats.info(d).smallest_normal
-      if _stats.is_fp8(d):
-        fp8_max[rows] = formats.info(d).max
+    fp8[rows] = _stats.is_fp8(d)
+    for b, t in zip(bounds, _thresholds(d)):
+      b[rows] = t
+  under, over, sub_lo, sub_hi, sat_lo = (b if len(kinds) > 1 else b[:1] for b in bounds)
   inv = _normaliser(amax)[:, None]
-  own = _Rounded(x, r, nz, inv)
-  rmag = jnp.abs(r)
-  terms = own.counts() + [("count", nz & own.finite & (r != 0) & (rmag < smallest))]
-  if fp8_max.any():
-    terms.append(("count", nz & (fp8_max > 0) & (rmag == fp8_max)))
+  own = _Rounded(x, r, nz, inv, (under, over))
+  terms = own.counts() + [("count", nz & (mag > sub_lo) & (mag < sub_hi))]
+  if fp8.any():
+    sat = nz & (mag > sat_lo) & (mag <= over)
+    terms.append(("count", sat & fp8 if not fp8.all() else sat))
   sums = [_sum(jnp.where(nz, x * inv, 0.0)), own.noise()]   # signal, own noise
   # What-ifs: each format's rounding once, its counts in the same pass as the others'.
   # A what-if format that is every row's own (bf16 rows, bf16 what-if) is the same
@@ -240,7 +311,7 @@ def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
         sums.append(_sum(jnp.where(nz, v * w_inv, 0.0)))
       else:  # the values measured above: their signal is the one already summed
         v, w_inv, signal = x, inv, 0
-      w = _Rounded(v, round_to(v, fmt), nz, w_inv)
+      w = _Rounded(v, round_to(v, fmt), nz, w_inv, _thresholds(fmt)[:2])
       plan.append((len(terms), (signal, len(sums))))
       terms += w.counts()
       sums.append(w.noise())
@@ -248,7 +319,7 @@ def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
   extra = _row_reduce(extra) if extra else []
   underflow, overflow = _frac(counts[0], n), _frac(counts[1], n)
   subnormal = _frac(counts[2], n)
-  saturated = (_frac(counts[3], n) if fp8_max.any() else jnp.zeros(n.shape, jnp.float32))
+  saturated = (_frac(counts[3], n) if fp8.any() else jnp.zeros(n.shape, jnp.float32))
   sqnr = _sqnr(sums[0], sums[1], overflow, n)
   total = jnp.full(n.shape, size, jnp.int32)
   out = [n.astype(jnp.float32), _frac(n_nonfinite, total), _frac(n_zeros, total),
