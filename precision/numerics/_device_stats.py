@@ -17,9 +17,12 @@ training step can measure every GEMM tensor without copying it to the host:
   drops low bits of x), so the noise terms carry no extra rounding.
 * Counts are int32 sums: exact for tensors of up to 2**31 - 1 elements.
 * Cost: the counts and extrema of a group of rows come from two variadic reduces (one
-  loop over the data each, every rounding computed once in the second); each f32 sum
-  (a signal or noise term) stays a reduction of its own, so its order of addition, and
-  every bit of the SQNRs, is that of a plain f32 sum.
+  loop over the data each): the first before amax is known, the second after, with
+  every format's counts taken from its rounding boundaries on |v| (`_thresholds`: the
+  same counts as from the rounding, without computing it there). Each rounding is
+  computed once, in its noise sum; each f32 sum (a signal or noise term) stays a
+  reduction of its own, so its order of addition, and every bit of the SQNRs, is that of
+  a plain f32 sum. MXFP8 adds one reduction (its block amax).
 * A device that flushes f32 subnormals (XLA:CPU in compiled code) measures values below
   f32's smallest normal (1.2e-38) as zeros; only bf16's own subnormals live there.
 """
