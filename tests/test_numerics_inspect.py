@@ -14,6 +14,8 @@ import pytest
 from flax import nnx
 
 import precision as mp
+from precision.fp8 import _microscale
+from precision.numerics import _stats
 from tests._zoo import user_code
 
 F16 = "p=f32,c=f16,o=f32"
@@ -59,8 +61,48 @@ def _sqnr(v: np.ndarray, fmt) -> float:
   return math.inf if noise == 0 else 10 * math.log10(np.sum(x * x) / noise)
 
 
-def _reference(value: np.ndarray, dtype) -> dict:
-  """Every statistic of TensorStats, recomputed from the captured f32 tensor."""
+def _mxfp8_reference(value: np.ndarray, block_axes) -> dict:
+  """MXFP8 (E4M3 elements, E8M0 scales rounded up, blocks of 32 along `block_axes`),
+  recomputed block by block: the axes moved last and flattened, each row cut into
+  blocks (the last one shorter), scale 2**e with e the smallest integer such that
+  block_amax / 2**e <= 448 (clamped to [-127, 127]), elements rounded by ml_dtypes."""
+  x = np.asarray(value, np.float32)
+  axes = [a % x.ndim for a in block_axes] if x.ndim else []
+  k = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+  rows = np.moveaxis(x, axes, list(range(x.ndim - len(axes), x.ndim))).reshape(-1, k)
+  vals, rounded = [], []
+  for row in rows:
+    for start in range(0, k, 32):
+      b = row[start:start + 32]
+      nz = np.isfinite(b) & (b != 0)
+      if not nz.any():
+        continue
+      amax = float(np.max(np.abs(b[nz])))
+      e = math.ceil(math.log2(amax / 448.0))
+      while amax / 2.0 ** e > 448.0:
+        e += 1
+      while amax / 2.0 ** (e - 1) <= 448.0:
+        e -= 1
+      e = min(max(e, -127), 127)
+      q = (b[nz].astype(np.float64) / 2.0 ** e).astype(np.float32)
+      q = q.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0 ** e
+      with np.errstate(over="ignore"):   # read back in f32: inf past its max
+        rounded.append(q.astype(np.float32).astype(np.float64))
+      vals.append(b[nz].astype(np.float64))
+  if not vals:
+    return dict(underflow=0.0, overflow=0.0, sqnr_db=math.inf)
+  v, r = np.concatenate(vals), np.concatenate(rounded)
+  if not np.all(np.isfinite(r)):
+    return dict(underflow=float(np.mean(r == 0)), overflow=float(np.mean(~np.isfinite(r))),
+                sqnr_db=-math.inf)
+  noise = np.sum((v - r) ** 2)
+  return dict(underflow=float(np.mean(r == 0)), overflow=0.0,
+              sqnr_db=math.inf if noise == 0 else 10 * math.log10(np.sum(v * v) / noise))
+
+
+def _reference(value: np.ndarray, dtype, block_axes=None) -> dict:
+  """Every statistic of TensorStats, recomputed from the captured f32 tensor (MXFP8
+  blocks along `block_axes`, default the last axis)."""
   fmt = _FORMATS[np.dtype(dtype).name]
   x = np.asarray(value, np.float32).ravel()
   finite = np.isfinite(x)
@@ -88,6 +130,10 @@ def _reference(value: np.ndarray, dtype) -> dict:
     ref[f"whatif_{name}_underflow"] = c["underflow"]
     ref[f"whatif_{name}_overflow"] = c["overflow"]
     ref[f"whatif_{name}_sqnr_db"] = _sqnr(s, f)
+  if block_axes is None:
+    block_axes = (np.ndim(value) - 1,) if np.ndim(value) else ()
+  for stat, want in _mxfp8_reference(value, block_axes).items():
+    ref[f"whatif_mxfp8_{stat}"] = want
   return ref
 
 
@@ -114,7 +160,8 @@ def _check_against_reference(fn, recipe, *args):
         cap.info.index, cap.info.scope, cap.info.direction, cap.info.role, cap.info.shape,
         cap.info.dtype)
     assert cap.value.shape == row.shape and row.size == cap.value.size
-    for name, want in _reference(cap.value, cap.dtype).items():
+    assert row.block_axes == cap.info.block_axes
+    for name, want in _reference(cap.value, cap.dtype, cap.info.block_axes).items():
       got = getattr(row, name)
       assert _close(name, got, want), (row.index, row.scope, row.role, name, got, want)
       compared += 1
@@ -302,6 +349,9 @@ def test_checkpointed_conv_recomputed_forward_and_cotangents():
   assert {r.primitive for r in report.rows} == {"conv_general_dilated"}
   bwd = report.select(direction="bwd")
   assert sorted(r.role for r in bwd) == ["cotangent", "lhs", "out"]
+  # MXFP8 blocks run along each operand's input-feature axis (NHWC: 3, HWIO: 2).
+  fwd = {r.operand: r.block_axes for r in report.rows if r.direction == "fwd"}
+  assert fwd == {"lhs": (3,), "rhs": (2,), "out": (3,)}, fwd
 
 
 def test_scan_gemms_are_recorded_per_iteration():
@@ -411,6 +461,61 @@ def test_fault_fp8_outlier_flushes_the_bulk():
   assert worst.whatif_e5m2_underflow < 0.01
   assert worst.dynamic_range_bits > 25
   assert worst.whatif_e4m3_sqnr_db > 30 and worst.sqnr_db > 40   # the SQNR blind spot
+  # MXFP8's scales are per 32 elements along the contraction (spiky's axis 0): the
+  # outlier costs only its own block (31 of 4096 elements at most).
+  assert worst.block_axes == (0,) and worst.whatif_mxfp8_underflow < 32 / 4096
+
+
+def test_block_axes_are_each_gemms_contraction_and_mxfp8_matches_reference():
+  """A dense layer over [batch, seq, d]: forward operands block along d (x) and along
+  the weight's input axis; the weight-gradient GEMM contracts batch and seq, so its
+  operands (x and the cotangent) block along (0, 1): blocks of 32 run across the
+  sequence boundary of the flattened batch x seq axis (seq = 12 here)."""
+  k = jax.random.split(jax.random.key(5), 2)
+  x = _spread(k[0], (8, 12, 40), decades=2.0)
+  w = jax.random.normal(k[1], (40, 24)) / 6
+
+  def loss(w, x):
+    return 1e-3 * jnp.sum(jnp.tanh(jnp.einsum("bsd,df->bsf", x, w)) ** 2)
+
+  with user_code():
+    report, compared = _check_against_reference(jax.grad(loss), BF16, w, x)
+  assert compared > 0
+  fwd = {r.operand: r.block_axes for r in report.rows if r.direction == "fwd"}
+  assert fwd == {"lhs": (2,), "rhs": (0,), "out": (2,)}, fwd
+  wgrad = [r for r in report.rows if r.direction == "bwd" and r.operand != "out"]
+  assert {(r.shape, r.block_axes) for r in wgrad} == {((8, 12, 40), (0, 1)),
+                                                      ((8, 12, 24), (0, 1))}
+  assert any(0 < r.whatif_mxfp8_underflow for r in report.rows)
+
+
+def test_mxfp8_whatif_against_reference_on_partial_and_transposed_blocks():
+  """tensor_stats' MXFP8 columns against the block-by-block reference: a last axis of
+  45 (a partial block of 13), blocks along non-adjacent axes in reverse order (2, 0), an
+  outlier above 2**60 (its block's scale is 2**55; the rest of its block underflows),
+  blocks without a nonzero element, inf and NaN (not measured)."""
+  rng = np.random.default_rng(11)
+  x = (rng.standard_normal((6, 5, 45)) * np.exp(rng.standard_normal((6, 5, 45)) * 3))
+  x = x.astype(np.float32)
+  x[0, 0, 3] = 2.0 ** 63
+  x[1, :, :] = 0.0
+  x[2, 1, 7], x[2, 1, 8], x[3, 4, 44] = np.inf, np.nan, -np.inf
+  for axes in [(2,), (2, 0), (0, 1), (1,), ()]:
+    got = _stats.tensor_stats(x, ml_dtypes.bfloat16, axes)
+    want = _mxfp8_reference(x, axes)
+    for stat, w in want.items():
+      assert _close(f"whatif_mxfp8_{stat}", got[f"whatif_mxfp8_{stat}"], w), (axes, stat)
+    # Elements sharing the outlier's block underflow; with no block axes every element
+    # is a block of its own and nothing does.
+    assert (want["underflow"] > 0) == bool(axes) and math.isfinite(want["sqnr_db"])
+  # The recipe's own quantiser (scale_rounding "up") gives the same values.
+  part = x[:, :, :32]
+  q, sc = _microscale.mxfp8_quantize(jnp.asarray(part), "e4m3", axis=2)
+  recipe = np.asarray(_microscale.mxfp8_dequantize(q, sc, axis=2))
+  layout = _stats.block_layout(part.shape, (2,))
+  blocks = _stats.to_blocks(part, layout)
+  ok = np.isfinite(blocks)
+  assert np.array_equal(_stats.mxfp8_round(blocks)[ok], _stats.to_blocks(recipe, layout)[ok])
 
 
 def test_fp8_operands_saturated_against_reference():

@@ -47,8 +47,9 @@ def _agree(ref: dict, got: dict, where: str, pp: float = 1e-3) -> None:
     assert (a == b) or abs(a - b) <= 1e-2 or min(a, b) > 300, (where, f, a, b)
 
 
-def _device_dicts(values, dtypes):
-  out = np.asarray(jax.jit(lambda *v: _device_stats.batch_stats(v, dtypes))(*values))
+def _device_dicts(values, dtypes, block_axes=None):
+  out = np.asarray(jax.jit(lambda *v: _device_stats.batch_stats(v, dtypes, True,
+                                                                block_axes))(*values))
   return [dict(zip(_device_stats.FIELDS, row)) for row in out]
 
 
@@ -95,6 +96,34 @@ def test_one_batched_pass_measures_each_tensor_on_its_own():
          np.dtype(np.float16)]
   for i, (x, d, got) in enumerate(zip(xs, dts, _device_dicts(xs, dts))):
     _agree(_stats.tensor_stats(x, d), got, f"tensor {i}")
+
+
+def test_device_mxfp8_equals_the_numpy_reference_on_every_block_layout():
+  """The MXFP8 columns on the device against _stats on blocks read in place (last axis,
+  a middle axis), zero-padded (an axis of 45: a partial block), transposed (axes (2, 0))
+  and with no block axis, in one batch with tensors of the same size and another
+  layout; one tensor with an outlier above 2**60 (SQNR's normalised branch)."""
+  rng = np.random.default_rng(4)
+
+  def spread(shape):
+    v = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape) * 3)
+    return v.astype(np.float32)
+  cases = [((16, 64), (1,)), ((16, 64), (0,)), ((4, 64, 3), (1,)), ((6, 5, 45), (2, 0)),
+           ((6, 5, 45), (2,)), ((6, 5, 45), ()), ((8, 45), None)]
+  xs = [spread(shape) for shape, _ in cases]
+  xs[4][0, 0, 3] = 2.0 ** 63
+  xs[3][1, 2, 3], xs[3][2, 2, 2] = np.inf, np.nan
+  axes = [a for _, a in cases]
+  dts = [np.dtype(ml_dtypes.bfloat16)] * 3 + [np.dtype(np.float16)] * 2 + [
+      np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.bfloat16)]
+  got = _device_dicts(xs, dts, axes)
+  for x, d, a, g in zip(xs, dts, axes, got):
+    ref = _stats.tensor_stats(x, d, a)
+    _agree(ref, g, f"{x.shape} {a}")
+    # Fractions exactly (the same elements are counted).
+    for stat in ("underflow", "overflow"):
+      assert ref[f"whatif_mxfp8_{stat}"] == g[f"whatif_mxfp8_{stat}"], (x.shape, a, stat)
+  assert got[4]["whatif_mxfp8_underflow"] > 0 and got[0]["whatif_mxfp8_underflow"] > 0
 
 
 # ------------------------------------------------------------------ rows vs inspect
@@ -162,9 +191,11 @@ def test_device_statistics_of_captured_tensors_equal_numpy(kind):
   fn, args = CASES[kind]()
   caps = mp.numerics.capture(fn, "f16_mixed", *args)
   assert caps
-  got = _device_dicts([c.value for c in caps], [c.dtype for c in caps])
+  got = _device_dicts([c.value for c in caps], [c.dtype for c in caps],
+                      [c.info.block_axes for c in caps])
   for c, g in zip(caps, got):
-    _agree(_stats.tensor_stats(c.value, c.dtype), g, f"{kind} {c.info.index} {c.info.role}")
+    _agree(_stats.tensor_stats(c.value, c.dtype, c.info.block_axes), g,
+           f"{kind} {c.info.index} {c.info.role}")
 
 
 @pytest.mark.parametrize("kind", [pytest.param("linen", marks=pytest.mark.slow), "nnx",

@@ -3,8 +3,10 @@
 `inspect` runs a function (forward, loss or gradient) once under a recipe, as
 precision.autocast runs it, and measures every GEMM's operands, cotangents and results:
 range, underflow, subnormals, overflow, fp8 saturation and SQNR against the dtype they
-are computed in, plus what-if columns for bf16, f16 and fp8 (E4M3/E5M2 with per-tensor
-current scaling) from the same tensors. Every statistic is defined in TensorStats.
+are computed in, plus what-if columns for bf16, f16, fp8 (E4M3/E5M2 with per-tensor
+current scaling) and block-scaled MXFP8 (E4M3 elements, one E8M0 scale per 32 elements
+along the GEMM's contraction) from the same tensors. Every statistic is defined in
+TensorStats.
 
 `gemm_telemetry` measures the same rows inside a compiled step (jnp reductions on the
 device, returned as a TelemetryRecord pytree) with the logit monitors (max logit of each

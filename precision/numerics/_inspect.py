@@ -216,7 +216,8 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
   rows = []
 
   def on_tensor(info, value, dtype):
-    rows.append(_report.TensorStats(**vars(info), **_stats.tensor_stats(value, dtype)))
+    rows.append(_report.TensorStats(
+        **vars(info), **_stats.tensor_stats(value, dtype, info.block_axes)))
 
   policy, unvisited, _ = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
   order = {"lhs": 0, "rhs": 1, "out": 2}

@@ -67,6 +67,7 @@ class TensorInfo:
   location: str
   iteration: tuple    # iteration numbers of the enclosing scans/while loops, outermost first
   recomputed: bool    # a forward GEMM recomputed in the backward pass (jax.checkpoint)
+  block_axes: tuple = ()  # the axes the MXFP8 what-if's blocks run along (see TensorStats)
 
 
 class _Meta(NamedTuple):
@@ -250,17 +251,19 @@ class Recorder:
                 scope=_clean_scope(scope), direction="bwd" if bwd else "fwd",
                 location=_walk._location(frames), iteration=tuple(iteration),
                 recomputed=recomputed)
-    for side, x, m in (("lhs", lhs, inmetas[0]), ("rhs", rhs, inmetas[1])):
+    axes = _contraction_axes(eqn, lhs.ndim, rhs.ndim)
+    for side, x, m, ax in (("lhs", lhs, inmetas[0], axes[0]), ("rhs", rhs, inmetas[1], axes[1])):
       dtype = np.dtype(x.dtype)
       if not _stats.is_float(dtype):
         continue
       role = "cotangent" if (bwd and m.bwd) else side
       value = m.pre if m.pre is not None else x
       self._emit(TensorInfo(role=role, operand=side, shape=tuple(x.shape), dtype=dtype.name,
-                            **base), value, dtype)
+                            block_axes=ax, **base), value, dtype)
     if _stats.is_float(out_dtype):
+      last = (out.ndim - 1,) if out.ndim else ()
       self.pending[index] = (TensorInfo(role="out", operand="out", shape=tuple(out.shape),
-                                        dtype=out_dtype.name, **base), out)
+                                        dtype=out_dtype.name, block_axes=last, **base), out)
     return out
 
   def _emit(self, info: TensorInfo, value, dtype: np.dtype) -> None:
@@ -278,6 +281,20 @@ def _moved_pre(eqn, invals, pre):
   if eqn.primitive.name == "pad":   # the padding value, in the wider dtype of `pre`
     rest[0] = jnp.asarray(rest[0]).astype(pre.dtype)
   return _compat.bind_eqn(eqn, [pre, *rest])
+
+
+def _contraction_axes(eqn, lhs_ndim: int, rhs_ndim: int) -> tuple:
+  """(lhs axes, rhs axes) a GEMM contracts: a dot_general's contracting dimensions in
+  the order of its dimension_numbers (flattened into one contraction, as
+  precision.fp8's canonical [M, K] layout does); a convolution's input-feature axis of
+  each operand (its spatial window is contracted too, but not along one tensor axis)."""
+  if eqn.primitive.name == "dot_general":
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    return tuple(int(a) for a in lc), tuple(int(a) for a in rc)
+  dn = eqn.params.get("dimension_numbers")
+  if dn is None:   # lax's default layout: NC... lhs, OI... rhs
+    return (1,), (1,)
+  return (int(dn.lhs_spec[1]),), (int(dn.rhs_spec[1]),)
 
 
 def _narrows(old: np.dtype, new: np.dtype) -> bool:

@@ -40,6 +40,10 @@ class TensorStats:
     location: the innermost user source line, "file.py:12 (fn)".
     iteration: the iteration numbers of the enclosing scan/while loops, outermost first.
     recomputed: see `direction`.
+    block_axes: the axes of the tensor the MXFP8 what-if's blocks run along (see below):
+      for a GEMM operand the axes the GEMM contracts (a dot_general's contracting
+      dimensions, in its dimension_numbers' order; a convolution's input-feature axis),
+      for "out" its last axis.
 
   The values measured, x (taken in f32): the value BEFORE the program rounds it to
   `dtype`: for an operand that a convert_element_type narrowed (autocast's cast of an f32
@@ -69,7 +73,16 @@ class TensorStats:
   whatif_<fmt>_overflow, whatif_<fmt>_sqnr_db, defined as above with r the rounding to
   <fmt>: bf16 and f16 unscaled; e4m3 (float8_e4m3fn) and e5m2 with per-tensor current
   scaling (Transformer Engine's): r = round(x * s) with s = fmt_max / amax computed and
-  applied in f32 (s = 1 when amax is 0), SQNR taken on the scaled values.
+  applied in f32 (s = 1 when amax is 0), SQNR taken on the scaled values; mxfp8: the
+  OCP MX format with E4M3 elements, as precision.fp8.mxfp8_quantize with
+  scale_rounding "up" computes it: the axes `block_axes` flattened (in that order) into
+  one axis, cut into blocks of 32 consecutive elements (a trailing partial block is a
+  block of its own), each block with one power-of-two (E8M0) scale 2**e,
+  e = ceil(log2(block_amax / 448)) clamped to [-127, 127] (block_amax over the block's
+  finite elements; so no element exceeds 448 and overflow is 0 unless 448 * 2**e passes
+  f32's max); r = 2**e * round(x / 2**e) with the element rounded to nearest even in
+  E4M3; SQNR on the unscaled values (the scales differ by block). A block with no
+  nonzero finite element has nothing measured.
   """
 
   index: int
@@ -84,6 +97,7 @@ class TensorStats:
   location: str
   iteration: tuple
   recomputed: bool
+  block_axes: tuple
   size: int
   nonzero: int
   nonfinite: float
@@ -108,10 +122,13 @@ class TensorStats:
   whatif_e5m2_underflow: float
   whatif_e5m2_overflow: float
   whatif_e5m2_sqnr_db: float
+  whatif_mxfp8_underflow: float
+  whatif_mxfp8_overflow: float
+  whatif_mxfp8_sqnr_db: float
 
 
 _WHERE = ("index", "primitive", "op", "scope", "direction", "role", "operand", "shape",
-          "dtype", "location", "iteration", "recomputed", "size", "nonzero")
+          "dtype", "location", "iteration", "recomputed", "block_axes", "size", "nonzero")
 STATISTICS = tuple(f.name for f in dataclasses.fields(TensorStats) if f.name not in _WHERE)
 DEFAULT_THRESHOLDS = {"nonfinite": 0.0, "overflow": 0.0, "underflow": 0.01}
 # Overflow before non-finite: the layer that overflows comes before the ones its
@@ -191,11 +208,13 @@ class NumericsReport:
   unvisited: tuple = ()
 
   def to_records(self) -> list[dict]:
-    """The rows as dicts (field name -> value; shape and iteration as lists)."""
+    """The rows as dicts (field name -> value; shape, iteration and block_axes as
+    lists)."""
     out = []
     for r in self.rows:
       d = dataclasses.asdict(r)
       d["shape"], d["iteration"] = list(r.shape), list(r.iteration)
+      d["block_axes"] = list(r.block_axes)
       out.append(d)
     return out
 
@@ -257,7 +276,7 @@ class NumericsReport:
     rows = self.rows if worst is None else self.worst(worst, by)
     head = ["#", "dir", "scope", "op", "role", "dtype", "shape", "amax", "range bits",
             "underflow", "subnormal", "overflow", "saturated", "sqnr dB",
-            "f16 uf", "f16 of", "e4m3 dB", "e5m2 dB"]
+            "f16 uf", "f16 of", "e4m3 dB", "e5m2 dB", "mxfp8 dB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
       it = "" if not r.iteration else "@" + ",".join(map(str, r.iteration))
@@ -266,7 +285,8 @@ class NumericsReport:
                f"{r.amax:.3g}", f"{r.dynamic_range_bits:.1f}", _pct(r.underflow),
                _pct(r.subnormal), _pct(r.overflow), _pct(r.saturated), _db(r.sqnr_db),
                _pct(r.whatif_f16_underflow), _pct(r.whatif_f16_overflow),
-               _db(r.whatif_e4m3_sqnr_db), _db(r.whatif_e5m2_sqnr_db)]
+               _db(r.whatif_e4m3_sqnr_db), _db(r.whatif_e5m2_sqnr_db),
+               _db(r.whatif_mxfp8_sqnr_db)]
       lines.append("| " + " | ".join(cells) + " |")
     title = f"numerics of {self.name} under {self.policy}: {len(self.rows)} tensors"
     if self.unvisited:

@@ -191,8 +191,8 @@ def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = Tr
 
   Args:
     fn, recipe_or_policy, *args, **kwargs: as precision.numerics.inspect.
-    whatif: compute the what-if columns (bf16, f16, E4M3, E5M2); False leaves them NaN in
-      `report()` and costs about a third of the statistics' work.
+    whatif: compute the what-if columns (bf16, f16, E4M3, E5M2, MXFP8); False leaves them
+      NaN in `report()` and costs about half of the statistics' work.
   Returns:
     A TelemetryRecord.
   """
@@ -227,7 +227,8 @@ def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bo
   perm = sorted(range(len(infos)), key=lambda i: (infos[i].index, order[infos[i].operand]))
   fields = _device_stats.FIELDS if whatif else _device_stats.BASE_FIELDS
   stats = _device_stats.batch_stats([tensors[i][0] for i in perm],
-                                    [tensors[i][1] for i in perm], whatif)
+                                    [tensors[i][1] for i in perm], whatif,
+                                    [infos[i].block_axes for i in perm])
   keys = tuple(k for k, _ in rec.monitors)
   values = (jnp.stack([jnp.asarray(v, jnp.float32) for _, v in rec.monitors]) if keys
             else jnp.zeros((0,), jnp.float32))
