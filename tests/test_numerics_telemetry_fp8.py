@@ -10,7 +10,6 @@ that value and its statistics with numpy and ml_dtypes, independently of the lib
 
 import dataclasses
 import functools
-import importlib.util
 import os
 
 import jax
@@ -175,14 +174,6 @@ def test_seeded_fault_frozen_fp8_scale_saturates_the_named_operand():
   assert float(model.fc1.dot_general.lhs_scale[...]) == pytest.approx(1e-4)  # untouched
 
 
-def _load(name):
-  path = os.path.join(os.path.dirname(__file__), "study_tasks", f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"tele8_{name}", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
 # NNX's fp8 layers are train_step's path (tested above): its study case is in the slow set.
 @pytest.mark.parametrize("kind", [pytest.param("nnx", marks=pytest.mark.slow), "params"])
 def test_study_telemetry_has_fp8_rows(kind):
@@ -191,8 +182,9 @@ def test_study_telemetry_has_fp8_rows(kind):
   program does not change the state (the step after it is the step without it)."""
   from precision.study import _models
 
-  m = _load("nnx_mlp" if kind == "nnx" else "params_mlp")
-  task = m.task
+  task = mp.study.load_task(os.path.join(os.path.dirname(__file__), "study_tasks",
+                                          ("nnx_mlp" if kind == "nnx" else "params_mlp")
+                                          + ".py:task"))
   # Two GEMMs of a params MLP are its first and last: keep them in fp8 here.
   recipe = mp.get_recipe("fp8_hybrid")
   recipe = recipe.replace(fp8=dataclasses.replace(recipe.fp8, keep_first_last=False))
@@ -214,22 +206,10 @@ def test_study_telemetry_has_fp8_rows(kind):
 def test_data_parallel_fp8_state_telemetry_is_one_shards_value_and_grad_telemetry():
   from jax.sharding import Mesh
 
-  recipe = mp.get_recipe("fp8_hybrid").replace(
-      fp8=mp.Fp8Config(scaling="delayed", amax_history_len=4))
-  model = nnx.Sequential(nnx.Linear(16, 32, use_bias=False, rngs=nnx.Rngs(0)),
-                         nnx.Linear(32, 8, use_bias=False, rngs=nnx.Rngs(1)))
-  mp.flax.apply_recipe(model, recipe)
-  graphdef, params, fp8_state = nnx.split(model, nnx.Param, mp.fp8.Fp8State)
+  from test_parallel import _fp8_setup   # its two-layer NNX model, loss and batch
 
-  def loss(params, fp8_state, batch):
-    m = nnx.merge(graphdef, params, fp8_state)
-    y = m(batch["x"]).astype(jnp.float32)
-    return jnp.mean(jnp.square(y - batch["y"])), nnx.state(m, mp.fp8.Fp8State)
-
-  r = np.random.default_rng(3)
+  recipe, model, params, fp8_state, loss, batch = _fp8_setup()
   n = len(jax.devices())
-  batch = {"x": r.normal(size=(4 * n, 16)).astype(np.float32),
-           "y": r.normal(size=(4 * n, 8)).astype(np.float32)}
   dp = mp.parallel.data_parallel(loss, optax.adamw(1e-3), Mesh(np.array(jax.devices()),
                                                                ("data",)),
                                  zero_stage=1, recipe=recipe, fp8_state=True)
@@ -237,7 +217,7 @@ def test_data_parallel_fp8_state_telemetry_is_one_shards_value_and_grad_telemetr
   got = dp.telemetry(state, batch).report().rows
   # The same shard through value_and_grad's telemetry on the NNX model itself.
   opt = mp.optim.build_optimizer(recipe, optax.adamw(1e-3)).init(nnx.state(model, nnx.Param))
-  shard = {k: v[:4] for k, v in batch.items()}
+  shard = {k: v[:v.shape[0] // n] for k, v in batch.items()}
   _, _, record = mp.value_and_grad(
       lambda mdl, b: jnp.mean(jnp.square(mdl(b["x"]).astype(jnp.float32) - b["y"])),
       opt, telemetry=True)(model, shard)
