@@ -120,6 +120,7 @@ def test_backward_override_reaches_a_traced_backward():
   assert _gemms(base, p, x, c)[("l0", "bwd")] == [("f16", "f16", "f32")]
 
 
+@pytest.mark.slow  # ~6 s; the dot_general cases above are the fast ones
 def test_backward_dtype_of_a_policy_conv():
   # The conv custom VJP: an f16 forward convolution, f32 backward ones on the original
   # operands (checked against lax's own f32 gradients of the f32 operands).

@@ -145,7 +145,7 @@ def test_block_scaled_on_cpu_is_the_emulation_bit_for_bit(name):
 # ----------------------------------------------------------------------------- b. CUDA
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("name", [pytest.param("mxfp8", marks=pytest.mark.slow), "nvfp4"])
 def test_cuda_lowering_has_one_block_scaled_gemm_per_selected_gemm(name):
   """Under "block_scaled" each selected GEMM lowers for CUDA to three block-scaled GEMMs
   (forward, dgrad, wgrad) on the recipe's element and scale formats, with the recipe's

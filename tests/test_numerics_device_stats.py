@@ -162,8 +162,13 @@ E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 F32 = np.dtype(np.float32)
 
 
-@pytest.mark.parametrize("dtypes", [[BF16] * 4, [F16] * 3, [BF16, F16, E4M3, E5M2, F32],
-                                    [E4M3, E4M3], [F32, F32]], ids=str)
+# The mixed group (every format at once) is the fast case; one-format groups run with the
+# slow set.
+_SLOW = pytest.mark.slow
+@pytest.mark.parametrize("dtypes", [
+    pytest.param([BF16] * 4, marks=_SLOW), pytest.param([F16] * 3, marks=_SLOW),
+    [BF16, F16, E4M3, E5M2, F32], pytest.param([E4M3, E4M3], marks=_SLOW),
+    pytest.param([F32, F32], marks=_SLOW)], ids=str)
 @pytest.mark.parametrize("whatif", [True, False])
 def test_passes_are_bit_identical_to_one_reduction_per_statistic(dtypes, whatif):
   x = _rows(len(dtypes), 1031, len(dtypes))
@@ -217,7 +222,7 @@ def test_e4m3_rounding_is_the_converts_bit_for_bit():
   assert np.isnan(want).sum() > 1000 and (want == 448.0).any() and (want == 2.0 ** -9).any()
 
 
-@pytest.mark.parametrize("axis", [2, 1])
+@pytest.mark.parametrize("axis", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_device_mxfp8_is_the_recipes_quantiser_bit_for_bit(axis):
   """The MXFP8 what-if's rounding on the device against precision.fp8.mxfp8_quantize
   then mxfp8_dequantize (scale_rounding "up"), along the last and a middle axis, with

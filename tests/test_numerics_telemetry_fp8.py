@@ -151,6 +151,7 @@ def test_current_scaled_operand_rows_equal_an_ml_dtypes_reference(current_probe)
     assert row.saturated > 0
 
 
+@pytest.mark.slow  # ~15 s: an eager inspect and a compiled telemetry step of fp8 layers
 def test_seeded_fault_frozen_fp8_scale_saturates_the_named_operand():
   """A delayed scale stuck far below its tensor's amax (fc1's input scale set to 1e-4,
   against inputs of |x| up to ~10): E4M3 clips nearly all of fc1's forward lhs to 448.
