@@ -128,8 +128,9 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
   # A model marked by precision.flax.apply_recipe / apply_policy gets its module scopes
   # from autocast itself (naming it twice would give "fc1/fc1").
   from precision.flax import _nnx  # pylint: disable=g-import-not-at-top
-  nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
-           if _is_node(x) and _nnx.spec_of(x) is None]
+  modules = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
+             if _is_node(x)]
+  nodes = [x for x in modules if _nnx.spec_of(x) is None]
   # NNX modules are pytrees: flattened to their arrays, rebuilt inside the trace (so the
   # caller's model is never modified: BatchNorm statistics, RNG counters stay as they are).
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -145,9 +146,7 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
   if isinstance(recipe_or_policy, AsWritten):
     wrapped, policy = flat_fn, recipe_or_policy.policy
   else:
-    marked = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
-              if _is_node(x)]
-    wrapped = autocast(flat_fn, _fp8_mark(recipe_or_policy, marked) or recipe_or_policy)
+    wrapped = autocast(flat_fn, _fp8_mark(recipe_or_policy, modules) or recipe_or_policy)
     policy = str(wrapped.autocast_spec.policy)
   with _module_scopes(nodes):
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*arrays)

@@ -251,7 +251,7 @@ class Recorder:
                 scope=_clean_scope(scope), direction="bwd" if bwd else "fwd",
                 location=_walk._location(frames), iteration=tuple(iteration),
                 recomputed=recomputed)
-    axes = _contraction_axes(eqn, lhs.ndim, rhs.ndim)
+    axes = _contraction_axes(eqn)
     for side, x, m, ax in (("lhs", lhs, inmetas[0], axes[0]), ("rhs", rhs, inmetas[1], axes[1])):
       dtype = np.dtype(x.dtype)
       if not _stats.is_float(dtype):
@@ -283,7 +283,7 @@ def _moved_pre(eqn, invals, pre):
   return _compat.bind_eqn(eqn, [pre, *rest])
 
 
-def _contraction_axes(eqn, lhs_ndim: int, rhs_ndim: int) -> tuple:
+def _contraction_axes(eqn) -> tuple:
   """(lhs axes, rhs axes) a GEMM contracts: a dot_general's contracting dimensions in
   the order of its dimension_numbers (flattened into one contraction, as
   precision.fp8's canonical [M, K] layout does); a convolution's input-feature axis of
