@@ -203,9 +203,12 @@ def main(argv=None) -> int:
   info["backend"] = jax.default_backend()
   info["device_kind"] = jax.devices()[0].device_kind
   info["faithful_rounding"] = mp.faithful_rounding_enabled()  # what the backend does
+  # Per dtype: a GPU may contract bf16/f16 multiply-adds into FMAs whatever the flags.
+  info["faithful_rounding_status"] = mp.faithful_rounding_status()
   print(f"precision from {info['precision_from']}; backend {info['backend']} "
         f"({info['device_kind']}); faithful rounding "
-        f"{'on' if info['faithful_rounding'] else 'OFF'}", flush=True)
+        f"{'on' if info['faithful_rounding'] else 'OFF'} "
+        f"{info['faithful_rounding_status']}", flush=True)
   if not dry and info["backend"] != "gpu":
     print(f"gpu_check needs a GPU; this backend is {info['backend']}. "
           "Use --dry-run to check the script on CPU.")

@@ -30,6 +30,7 @@ from precision._plan import Plan
 from precision._plan import bind
 from precision._numerics import enable_faithful_rounding
 from precision._numerics import faithful_rounding_enabled
+from precision._numerics import faithful_rounding_status
 from precision._policy import Policy
 from precision._policy import cast_floating
 from precision._policy import dtype_name
@@ -81,6 +82,7 @@ __all__ = [
     "dtype_name",
     "enable_faithful_rounding",
     "faithful_rounding_enabled",
+    "faithful_rounding_status",
     "audit",
     "bind",
     "flax",

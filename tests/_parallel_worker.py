@@ -56,8 +56,9 @@ def main(argv: list[str]) -> None:
   pid, nproc, port, per_process, out = (int(argv[1]), int(argv[2]), int(argv[3]),
                                         int(argv[4]), argv[5])
   os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={per_process} "
-                             "--xla_allow_excess_precision=false")
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={per_process}"
+  import precision  # pylint: disable=g-import-not-at-top
+  precision.enable_faithful_rounding()  # the flags the test process runs with
   import jax  # pylint: disable=g-import-not-at-top
 
   jax.config.update("jax_numpy_dtype_promotion", "strict")

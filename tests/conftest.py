@@ -1,17 +1,22 @@
 """Test set-up: 8 host CPU devices, faithful rounding and strict dtype promotion.
 
-XLA reads XLA_FLAGS once, when the first backend starts, so both flags are set here
-before anything imports JAX.
+XLA reads XLA_FLAGS once, when the first backend starts, so the flags are set here before
+any backend starts.
 """
 
 import os
 
 _flags = os.environ.get("XLA_FLAGS", "").split()
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_allow_excess_precision=false"):
-  if _flag not in _flags:
-    _flags.append(_flag)
+if "--xla_force_host_platform_device_count=8" not in _flags:
+  _flags.append("--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import precision  # noqa: E402  (importing JAX starts no backend)
+
+# The faithful-rounding flags (and on a CPU with native f16, the ISA ceiling that keeps
+# f16 multiply-adds rounded per op), before any backend starts.
+precision.enable_faithful_rounding()
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402

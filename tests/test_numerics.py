@@ -30,7 +30,7 @@ def _probe(mode, tmp_dir):
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
   tmp = str(tmp_path_factory.mktemp("faithful"))
-  return {mode: _probe(mode, tmp) for mode in ("on", "off", "late")}
+  return {mode: _probe(mode, tmp) for mode in ("on", "off", "late", "excess_only")}
 
 
 def test_switch_changes_what_xla_computes(probes):
@@ -48,15 +48,49 @@ def test_switch_changes_what_xla_computes(probes):
 
 
 def test_faithful_matches_per_op_reference(probes):
-  """With the switch an elementwise bf16/f16 chain is bit for bit the per-op ml_dtypes
-  rounding (the semantics the switch promises)."""
+  """With the switch every bf16/f16 op (+, -, *, /, a multiply-add, an elementwise chain)
+  is bit for bit the per-op ml_dtypes rounding (the semantics the switch promises), on
+  whatever CPU runs this: with native f16 arithmetic too (its ISA ceiling)."""
   on = probes["on"]
   assert on["chain_bf16"] == 0.0 and on["chain_f16"] == 0.0
+  assert on["ops_bf16"] == on["ops_f16"] == dict.fromkeys(
+      ("add", "sub", "mul", "div", "muladd"), 0.0), (on["ops_bf16"], on["ops_f16"])
+  assert on["status"] == {"bfloat16": True, "float16": True}
+
+
+def test_native_f16_without_the_ceiling_is_detected(probes):
+  """The excess-precision flag alone: on a CPU with AVX-512 FP16 (this project's machines
+  have it) XLA:CPU contracts f16 multiply-adds into one FMA, and the status names f16
+  unfaithful while bf16 stays faithful; on a CPU without it, both are faithful."""
+  ex = probes["excess_only"]
+  native = _numerics.native_f16_cpu()
+  print(f"native f16: {native}; f16 multiply-add differing without the ceiling: "
+        f"{ex['ops_f16']['muladd']:.3f}")
+  assert ex["status"] == {"bfloat16": True, "float16": not native}
+  assert (ex["ops_f16"]["muladd"] > 0.05) == native
+  assert ex["ops_bf16"]["muladd"] == 0.0 and ex["ops_f16"]["mul"] == 0.0
+  # A late switch cannot add the ceiling any more: it says so, naming f16.
+  err = ex["late_enable_error"]
+  assert (err is not None and "float16" in err and "--xla_cpu_max_isa=AVX2" in err) == native
+
+
+def test_flags_needed_follow_the_cpu():
+  """The ISA ceiling is added only on a CPU with AVX-512 FP16, and a ceiling already in
+  XLA_FLAGS is kept."""
+  fp16 = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx512_fp16 amx_tile\n"
+  plain = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
+  excess, ceiling = "--xla_allow_excess_precision=false", "--xla_cpu_max_isa=AVX2"
+  assert _numerics.flags_needed(fp16, []) == [excess, ceiling]
+  assert _numerics.flags_needed(plain, []) == [excess]
+  assert _numerics.flags_needed(fp16, [excess, "--xla_cpu_max_isa=avx512"]) == []
+  assert _numerics.flags_needed(fp16, [excess, ceiling]) == []
+  assert not _numerics.native_f16_cpu("flags : avx512fp16_not_this\n")
 
 
 def test_status_is_what_the_backend_does(probes):
   assert probes["on"]["faithful"] is True
   assert probes["off"]["faithful"] is False
+  assert probes["off"]["status"] == {"bfloat16": False, "float16": False}
   # The flag put in XLA_FLAGS after JAX started: the variable says on, XLA never saw it,
   # and the status says off.
   late = probes["late"]
@@ -80,8 +114,11 @@ def test_this_process_probe():
   """tests/conftest.py set the flag before JAX started: the probe agrees, from inside a
   trace too, and the status is cached."""
   jax.numpy.zeros(()).block_until_ready()  # a backend has started
-  assert _numerics.probe_faithful_rounding() is True
-  assert jax.jit(lambda x: x + int(_numerics.probe_faithful_rounding()))(1) == 2
+  both = {"bfloat16": True, "float16": True}
+  assert _numerics.probe_faithful_rounding() == both
+  assert jax.jit(lambda x: x + int(all(_numerics.probe_faithful_rounding().values())))(1) == 2
   assert precision.faithful_rounding_enabled() is True
-  assert _numerics._PROBED is True  # pylint: disable=protected-access
+  assert precision.faithful_rounding_status() == both
+  assert _numerics._PROBED == {  # pylint: disable=protected-access
+      d: {"excess": True, "muladd": True} for d in both}
   precision.enable_faithful_rounding()  # on already: returns
