@@ -107,8 +107,8 @@ def _prepare(tx, n, dtype, donate=True):
         po.loss_scale_of(s)  # a training step reads the scale for its loss
         extra = {"value": jnp.zeros((), jnp.float32)} if isinstance(
             tx, optax.GradientTransformationExtraArgs) else {}
-        u, s = tx.update(g, s, p, **extra)
-        return po.apply_updates(p, u), s
+        # The library's step: update, apply_updates, state writes ordered after the params'.
+        return po.update_and_apply(tx, g, s, p, **extra)
 
     with jax.numpy_dtype_promotion("standard"):
       state = tx.init(params)

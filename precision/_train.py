@@ -129,8 +129,8 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
   Examples:
     >>> loss, grads = precision.value_and_grad(loss_fn, opt_state)(model, x, y)
     >>> params = nnx.state(model, nnx.Param)
-    >>> updates, opt_state = tx.update(grads, opt_state, params)
-    >>> nnx.update(model, precision.optim.apply_updates(params, updates))
+    >>> params, opt_state = precision.optim.update_and_apply(tx, grads, opt_state, params)
+    >>> nnx.update(model, params)
   """
   if not callable(fn):
     raise ValueError(f"value_and_grad: fn={fn!r}; accepted: a callable returning the loss")
@@ -178,8 +178,9 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   """One optimizer step of an NNX model under any recipe; updates `model` in place.
 
   `value_and_grad` (loss scaled by the optimizer's loss scale, fp8 gradient state
-  carried), ``tx.update``, `precision.optim.apply_updates` (exact rounding into 16-bit
-  params), the new params written into `model`; when the optimizer's guard skipped the
+  carried), `precision.optim.update_and_apply` (``tx.update``, `apply_updates`: exact
+  rounding into 16-bit params, and the state's writes ordered so a jitted step updates
+  its donated buffers in place), the new params written into `model`; when the optimizer's guard skipped the
   step (non-finite grads), the fp8 scaling state is rolled back with it
   (`precision.fp8.rollback_fp8_state`), so a skipped step leaves params, optimizer
   state and fp8 state bit-identical. A `tx` that is an optax
@@ -246,8 +247,9 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   # optax's convention: a transformation taking extra arguments (a spike guard) gets the
   # unscaled loss as `value`; any other is called exactly as before.
   extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-  updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
-  nnx.update(model, optim.apply_updates(params, updates))
+  # update, apply_updates and the state's writes ordered after the params' (in place).
+  new_params, new_opt_state = optim.update_and_apply(tx, grads, opt_state, params, **extra)
+  nnx.update(model, new_params)
   if has_fp8:
     skipped = optim.step_skipped(opt_state, new_opt_state)
     nnx.update(model, fp8.rollback_fp8_state(nnx.state(model, fp8.Fp8State), before, skipped))

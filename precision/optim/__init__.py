@@ -8,19 +8,21 @@ updates straight into 16-bit params (`stochastic_updates`, `kahan_updates`, `f32
 and `fused_adamw`, the fused AdamW + stochastic-rounding kernel of a ``fused=True`` recipe),
 moment dtypes (`moment_dtypes`), f32 global norm and clipping, and `build_optimizer`, which
 assembles all of it from a Recipe. Apply updates with `apply_updates` (exact rounding under
-strict promotion).
+strict promotion), or take the whole step with `update_and_apply` (update, apply, and the
+state's writes ordered after the params', so a jitted step updates its donated buffers in
+place).
 
 The train-step protocol (`precision.train_step` and `precision.value_and_grad` do the
 first two lines for NNX models and param pytrees; an update whose grads were computed
 without reading the scale warns once, `UnscaledGradientsWarning`):
   >>> scale = loss_scale_of(opt_state)
   >>> loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch) * scale)(params)
-  >>> updates, opt_state = tx.update(grads, opt_state, params)
-  >>> params = apply_updates(params, updates)
+  >>> params, opt_state = update_and_apply(tx, grads, opt_state, params)
   >>> metrics = optimizer_metrics(opt_state)
 A spike-guarded optimizer (`spike_guard`, ``Recipe.spike_guard``) is an optax
 GradientTransformationExtraArgs whose update also takes the loss,
-``tx.update(grads, opt_state, params, value=loss)``; the train steps above pass it.
+``tx.update(grads, opt_state, params, value=loss)`` (``update_and_apply(..., value=loss)``);
+the train steps above pass it.
 """
 
 from precision.optim._apply import apply_updates
@@ -39,6 +41,8 @@ from precision.optim._guard import check_nonfinite_streak
 from precision.optim._guard import loss_scaling
 from precision.optim._guard import nonfinite_loss_guard
 from precision.optim._guard import skip_nonfinite
+from precision.optim._inplace import order_after
+from precision.optim._inplace import update_and_apply
 from precision.optim._kahan import KahanState
 from precision.optim._kahan import kahan_updates
 from precision.optim._ledger import bytes_per_param
@@ -96,6 +100,7 @@ __all__ = [
     "merge_master",
     "moment_dtypes",
     "optimizer_metrics",
+    "order_after",
     "remainder_master_weights",
     "scaled_value_and_grad",
     "select_tree",
@@ -105,4 +110,5 @@ __all__ = [
     "split_master",
     "step_skipped",
     "stochastic_updates",
+    "update_and_apply",
 ]

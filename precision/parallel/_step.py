@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from precision._autocast import _api
+from precision.optim import _inplace
 from precision.parallel import _collectives as coll
 from precision.parallel import _fsdp
 from precision.parallel._layout import ParamLayout, flatten_pad, own_shard, unflatten
@@ -232,6 +233,9 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch,
     extra["value"] = jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
   updates, opt_state = cfg.tx.update(grads, opt_state, shards, **extra)
   shards = cfg.hooks.apply_updates(shards, updates)
+  # The state's narrow leaves written after the params' (precision.optim.order_after): the
+  # donated shards update in place; the values are the same bit for bit.
+  opt_state = _inplace.order_after(opt_state, shards)
   if stage in (1, 2):
     params = layout.map(
         lambda lay, s: unflatten(coll.all_gather_flat(s, red(lay)), lay), shards)

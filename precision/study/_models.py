@@ -14,10 +14,10 @@ Three kinds of model, one training step for all of them:
   `precision.autocast`.
 
 For the linen and params kinds one step is `precision.value_and_grad` (the loss scaled by
-the optimizer's loss scale), ``tx.update`` and `precision.optim.apply_updates`, exactly as
-`precision.train_step` does for NNX. Params start as the task's f32 weights cast to the
-recipe's param dtype (round to nearest), so every recipe of a seed starts from the same
-weights.
+the optimizer's loss scale) and `precision.optim.update_and_apply` (``tx.update``,
+`apply_updates`, in-place order), exactly as `precision.train_step` does for NNX. Params
+start as the task's f32 weights cast to the recipe's param dtype (round to nearest), so
+every recipe of a seed starts from the same weights.
 """
 
 from __future__ import annotations
@@ -367,8 +367,8 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
       (_, (loss, new_coll)), grads = vg(state.params, state.model_state, batch, rng, scale)
     # A transformation taking extra arguments (a spike guard) gets the unscaled loss.
     extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
-    params = optim.apply_updates(state.params, updates)
+    params, opt_state = optim.update_and_apply(tx, grads, state.opt_state, state.params,
+                                               **extra)
     sat = None
     if has_fp8:
       # A step the guard skipped leaves the fp8 state as it was, as params and moments.
