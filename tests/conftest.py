@@ -34,7 +34,8 @@ def devices():
   return jax.devices()
 
 
-# Tests that each took 6 to 67 s on this 2-core machine (pytest --durations, 2026-12-01)
+# Tests that each took 5 to 67 s on this 2-core machine (pytest --durations, 2026-12-01
+# and, from test_autocast_cache's retrace test on, 2026-12-02)
 # run with the slow set (`python -m pytest -m slow`, which CI runs after the fast set),
 # so that the README's fast command stays under 10 minutes. Most keep a faster sibling in
 # the fast set (another recipe, stage, model, or the same property on a smaller case);
@@ -91,11 +92,87 @@ test_autocast.py::test_subclassed_layer_keeps_its_class_code_and_attributes
 test_train_resume.py::test_a_torn_last_log_line_is_dropped_once
 test_study_api.py::test_two_shards_and_report_only_equal_the_whole_run
 test_study_api.py::test_aa_arm_and_time_to_target
+test_autocast_cache.py::test_autocast_retrace_misses_as_few_as_handwritten
+test_numerics_telemetry.py::test_traced_rows_are_inspects_rows_forward_and_backward[nnx]
+test_numerics_telemetry.py::test_scale_plot_png
+test_parallel_rounding.py::test_slice_with_offset_matches_whole[e4m3-xla]
+test_flax_nnx.py::test_bf16_logits_close_to_f32
+test_numerics_bisect.py::test_checkpoint_of_another_run_is_refused
+test_zoo.py::test_bf16_f32_ops_check_and_loss[decoder_linen]
+test_zoo.py::test_bf16_f32_ops_check_and_loss[resnet_batchnorm_linen]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[resnet_batchnorm_linen-bf16_mixed]
+test_zoo.py::test_fp32_recipe_bit_identical_to_plain_model[multihead_attention_nnx]
+test_numerics_telemetry_fp8.py::test_study_telemetry_has_fp8_rows[params]
+test_numerics_inspect.py::test_mxfp8_whatif_against_reference_on_partial_and_transposed_blocks
+test_numerics_device_stats.py::test_device_mxfp8_is_the_recipes_quantiser_bit_for_bit[2]
+test_train_fast.py::test_bit_identical_to_the_nnx_jit_step[fp8_hybrid-skip]
+test_parallel.py::test_checkpoint_of_8_devices_resumes_on_4[3]
+test_checkpoint.py::test_cross_recipe_restore_converts_from_the_master[bf16_master-bf16_sr]
+test_gpt.py::test_without_qk_norm
+test_fused_adamw.py::test_fused_matches_unfused_over_20_steps[master_schedule]
+test_optim_inplace.py::test_non_elementwise_optimizers_bit_identical[bf16_kahan-clip_adam]
+test_optim_inplace.py::test_non_elementwise_optimizers_bit_identical[bf16_kahan-adafactor]
+test_optim_inplace.py::test_non_elementwise_optimizers_bit_identical[pure_bf16-clip_adam]
+test_optim_inplace.py::test_non_elementwise_optimizers_bit_identical[pure_bf16-lamb]
+test_autocast_parallel.py::test_sharded_model_trains_under_every_recipe[bf16_mixed]
+test_autocast_parallel.py::test_sharded_model_trains_under_every_recipe[bf16_kahan]
+test_autocast_parallel.py::test_sharded_model_trains_under_every_recipe[bf16_sr]
+test_autocast_parallel.py::test_sharded_model_trains_under_every_recipe[mxfp8]
+test_autocast_parallel.py::test_sharded_model_trains_under_every_recipe[nvfp4]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[decoder_linen-bf16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[resnet_batchnorm_linen-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[bias_batchnorm_mlp_nnx-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[multihead_attention_nnx-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[plain_jax_scan_remat-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[explicit_sharding_nnx-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[dropout_split_merge_grad_nnx-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[train_keywords_linen-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[transform_with_state_haiku-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[stateful_equinox-f16_mixed]
+test_zoo.py::test_every_gemm_forward_and_backward_is_compute_f32_on_cuda[scan_over_layers_nnx-f16_mixed]
+test_activation_memory.py::test_island_values_and_grads_bit_identical_to_plain_formula[rotary_embedding-float32]
+test_activation_memory.py::test_island_values_and_grads_bit_identical_to_plain_formula[attention_probs-float16]
+test_activation_memory.py::test_island_values_and_grads_bit_identical_to_plain_formula[layer_norm-float32]
+test_activation_memory.py::test_island_values_and_grads_bit_identical_to_plain_formula[rms_norm-float16]
+test_gpu_lowering.py::test_training_step_gemm_dtypes[bf16_kahan-cuda]
+test_gpu_lowering.py::test_training_step_gemm_dtypes[pure_bf16-cuda]
+test_optim_inplace.py::test_every_recipe_bit_identical_to_the_previous_guard[fp8_hybrid]
+test_optim_inplace.py::test_every_recipe_bit_identical_to_the_previous_guard[nvfp4]
+test_optim_inplace.py::test_every_recipe_bit_identical_to_the_previous_guard[mxfp8]
+test_optim_inplace.py::test_every_recipe_bit_identical_to_the_previous_guard[bf16_mixed]
+test_optim_inplace.py::test_fused_adamw_skips_inside_its_pass[False-pallas]
+test_optim_inplace.py::test_fused_adamw_skips_inside_its_pass[True-xla]
+test_fp8.py::test_error_within_fp8_bound[per_channel-heavy]
+test_fp8.py::test_error_within_fp8_bound[block-heavy]
+test_fp8.py::test_error_within_fp8_bound[delayed-heavy]
+test_fp8.py::test_error_within_fp8_bound[current-heavy]
+test_train.py::test_import_plain_orbax_checkpoints_into_bf16_master
+test_autocast_cache.py::test_retraces_leave_no_function_behind
+test_study_api.py::test_more_seeds_grow_a_study_and_keep_its_cells
+test_checkpoint_integrity.py::test_every_damaged_file_falls_back
 """.split())
+
+
+# The files with the most test time in the fast set (pytest --durations=0 on this machine,
+# 2026-12-02), longest first. pytest-xdist's --dist loadfile hands files to the two
+# workers in collection order, so these go first and the short files fill in at the end:
+# both workers then finish at about the same time (the order only affects scheduling).
+LONGEST_FIRST = """
+test_zoo.py test_fp8.py test_parallel.py test_optim_inplace.py test_numerics_inspect.py
+test_numerics_telemetry.py test_gpu_lowering.py test_autocast_parallel.py test_train_fast.py
+test_fp8_autocast.py test_parallel_rounding.py test_autocast_cache.py test_fused_adamw.py
+test_flax_linen.py test_flax_nnx.py test_activation_memory.py test_microscale.py
+test_spike_guard.py test_train_step.py test_autocast_conformance.py test_gpt.py
+test_train.py test_autocast.py test_numerics_telemetry_fp8.py
+""".split()
 
 
 def pytest_collection_modifyitems(config, items):
   del config
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  position = {id(item): i for i, item in enumerate(items)}
+  items.sort(key=lambda item: (rank.get(item.fspath.basename, len(rank)),
+                               position[id(item)]))
   found = set()
   for item in items:
     key = item.nodeid.split("tests/", 1)[-1]

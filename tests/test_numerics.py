@@ -16,21 +16,28 @@ from precision import _numerics
 PROBE = os.path.join(os.path.dirname(__file__), "_faithful_probe.py")
 
 
-def _probe(mode, tmp_dir):
+def _start(mode, tmp_dir):
   env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=os.path.dirname(os.path.dirname(PROBE)))
   path = os.path.join(tmp_dir, f"softmax_{mode}.npy")
-  res = subprocess.run([sys.executable, PROBE, mode, path], capture_output=True, text=True,
-                       env=env, timeout=300)
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.strip().splitlines()[-1])
+  proc = subprocess.Popen([sys.executable, PROBE, mode, path], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
+  return proc, path
+
+
+def _result(proc, path):
+  stdout, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 0, stderr[-3000:]
+  out = json.loads(stdout.strip().splitlines()[-1])
   out["softmax_bits"] = np.load(path)
   return out
 
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
+  """Each mode in its own interpreter, all started at once (each mostly imports JAX)."""
   tmp = str(tmp_path_factory.mktemp("faithful"))
-  return {mode: _probe(mode, tmp) for mode in ("on", "off", "late", "excess_only")}
+  started = {mode: _start(mode, tmp) for mode in ("on", "off", "late", "excess_only")}
+  return {mode: _result(*run) for mode, run in started.items()}
 
 
 def test_switch_changes_what_xla_computes(probes):
