@@ -3,9 +3,9 @@
 `python -m experiments.bench_optim [--quick] [--repeats R]` prints, for 10M parameters
 (1M with --quick), one jitted step (update + apply_updates, params and state donated) of
 every preset's `build_optimizer` around optax.adamw and of the transforms it is made of,
-as the median over R interleaved rounds (each round times every row once, so slow
-drifts of the machine hit every row alike) of the row's time over the baseline's in
-that round. The baseline is a hand-written f32-master AdamW on bf16 params, written as a
+as the median over R interleaved rounds (each round times every row once, in a new
+shuffled order, so slow drifts of the machine and a row's place in the round hit every
+row alike) of the row's time over the baseline's in that round. The baseline is a hand-written f32-master AdamW on bf16 params, written as a
 training loop would; a second ratio is over `master_weights(optax.adamw)` without any
 guard, the library's own update less the guard. Beside each ratio: the compiled program's temporary
 memory (`memory_analysis().temp_size_in_bytes`) per parameter, the transient memory the
@@ -16,6 +16,7 @@ CPU figures unless a GPU is present; the backend is printed with them.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -133,8 +134,14 @@ def _interleaved(prepared, repeats, baseline, second=None):
   """{name: (median seconds, median ratio over the baseline's time in the same round,
   the same over `second`'s time or None)}."""
   times = {k: [] for k in prepared}
+  names = list(prepared)
+  order = random.Random(0)
   for _ in range(repeats):
-    for k, (fn, _, args) in prepared.items():
+    # A new order each round: a row's place in the round (after which row, how long
+    # after the last allocation) moves its time by up to 2x here, so no row keeps one.
+    order.shuffle(names)
+    for k in names:
+      fn, _, args = prepared[k]
       times[k].append(_time_once(fn, args))
   ratio = lambda ts, ref: statistics.median([t / b for t, b in zip(ts, times[ref])])
   return {k: (statistics.median(ts), ratio(ts, baseline),
