@@ -22,7 +22,6 @@ from typing import Any, Callable
 import jax
 from jax.extend import core as jex_core
 
-from precision import _compat
 from precision.optim import _inplace
 from precision.optim import _select
 from precision.optim import _tree
@@ -63,19 +62,13 @@ def update_twice(update: Callable[..., tuple[Any, Any]], grads: Any, state: Any,
       again[v] = _inplace.opaque(x) if _tree.is_float(x) and x.size else x
   vals: dict = dict(zip(jaxpr.constvars, closed.consts))
   vals.update(zip(jaxpr.invars, flat))
-  read = lambda v: _select._literal(v) if isinstance(v, jex_core.Literal) else vals[v]
+  read = lambda v: _select.literal(v) if isinstance(v, jex_core.Literal) else vals[v]
   vals.update(again)
   needed = _needed(jaxpr, jaxpr.outvars[:n_updates], stop=set(again))
   for eqn in jaxpr.eqns:
     if not any(v in needed and v not in again for v in eqn.outvars):
       continue
-    name_stack = _compat.current_name_stack() + eqn.source_info.name_stack
-    with _compat.user_context(eqn.source_info.traceback, name_stack), \
-        _compat.eqn_context(eqn):
-      res = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
-    if not eqn.primitive.multiple_results:
-      res = [res]
-    for v, x in zip(eqn.outvars, res):
+    for v, x in zip(eqn.outvars, _select.rebind(eqn, [read(v) for v in eqn.invars])):
       vals[v] = again.get(v, x)
   updates_again = jax.tree_util.tree_unflatten(
       updates_tree, [read(v) for v in jaxpr.outvars[:n_updates]])

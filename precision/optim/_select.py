@@ -83,15 +83,9 @@ def skip_unless(ok: jax.Array, update: Callable[..., tuple[Any, Any]], grads: An
   at_definition = _selectable(jaxpr, state_out, old)
   vals: dict = dict(zip(jaxpr.constvars, closed.consts))
   vals.update(zip(jaxpr.invars, flat))
-  read = lambda v: _literal(v) if isinstance(v, jex_core.Literal) else vals[v]
+  read = lambda v: literal(v) if isinstance(v, jex_core.Literal) else vals[v]
   for eqn in jaxpr.eqns:
-    name_stack = _compat.current_name_stack() + eqn.source_info.name_stack
-    with _compat.user_context(eqn.source_info.traceback, name_stack), \
-        _compat.eqn_context(eqn):
-      outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, x in zip(eqn.outvars, outs):
+    for v, x in zip(eqn.outvars, rebind(eqn, [read(v) for v in eqn.invars])):
       vals[v] = jnp.where(ok, x, at_definition[v]) if v in at_definition else x
   updates = [read(v) for v in jaxpr.outvars[:n_updates]]
   new_state = [read(v) if v in at_definition else jnp.where(ok, read(v), o)
@@ -102,7 +96,18 @@ def skip_unless(ok: jax.Array, update: Callable[..., tuple[Any, Any]], grads: An
           jax.tree_util.tree_unflatten(state_tree, new_state))
 
 
-def _literal(v) -> Any:
+def rebind(eqn, invals: list) -> list:
+  """The outputs of jaxpr equation `eqn` bound again on `invals`, as a list, with the
+  source information and context it was traced with (so the program reads as the
+  user's code in profiles and cache-miss reports)."""
+  name_stack = _compat.current_name_stack() + eqn.source_info.name_stack
+  with _compat.user_context(eqn.source_info.traceback, name_stack), \
+      _compat.eqn_context(eqn):
+    outs = _compat.bind_eqn(eqn, invals)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def literal(v) -> Any:
   """A literal's value in its traced dtype (a bare Python float would be bound as f64
   where x64 is on, or weakly typed)."""
   dtype = getattr(v.aval, "dtype", None)
