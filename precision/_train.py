@@ -180,10 +180,10 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
   `value_and_grad` (loss scaled by the optimizer's loss scale, fp8 gradient state
   carried), `precision.optim.update_and_apply` (``tx.update``, `apply_updates`: exact
   rounding into 16-bit params, and the state's writes ordered so a jitted step updates
-  its donated buffers in place), the new params written into `model`; when the optimizer's guard skipped the
-  step (non-finite grads), the fp8 scaling state is rolled back with it
-  (`precision.fp8.rollback_fp8_state`), so a skipped step leaves params, optimizer
-  state and fp8 state bit-identical. A `tx` that is an optax
+  its donated buffers in place), the new params written into `model`; when the
+  optimizer's guard skipped the step (non-finite grads), the fp8 scaling state is rolled
+  back with it (`precision.fp8.rollback_fp8_state`), so a skipped step leaves params,
+  optimizer state and fp8 state bit-identical. A `tx` that is an optax
   GradientTransformationExtraArgs (a ``Recipe.spike_guard`` optimizer) gets the unscaled
   loss as ``value=``. Other model state (e.g. BatchNorm statistics) keeps
   the step's update. Works eagerly and under any jit: `precision.jit_train_step(model,

@@ -6,7 +6,7 @@ that writes its new value into its own buffer, and by the fusion that computes t
 params from its OLD value (Adam's step reads the f32 moment, not the rounded one). Nothing
 in the program orders the two, so XLA's copy insertion keeps the old buffer alive by
 copying it before the step (measured on XLA:CPU: pure_bf16 copies mu and nu, 4 bytes per
-parameter of temporaries and 1.5x the step time of the same update without the copies).
+parameter of temporaries and 1.4x the step time of the same update without the copies).
 
 `order_after(opt_state, params)` gives each such leaf a data dependency on the new params:
 its stored bits are OR-ed with a zero computed from the new param's bits, which the
