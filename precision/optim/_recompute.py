@@ -35,24 +35,15 @@ def update_twice(update: Callable[..., tuple[Any, Any]], grads: Any, state: Any,
   state (see the module docstring). Called eagerly (no tracer among the arguments), the
   update runs once and both are the same arrays: nothing is fused there.
   """
-  flat, in_tree = jax.tree_util.tree_flatten((grads, state, params))
-  if not any(isinstance(x, jax.core.Tracer) for x in flat):
+  if not any(isinstance(x, jax.core.Tracer)
+             for x in jax.tree_util.tree_leaves((grads, state, params))):
     updates, new_state = update(grads, state, params)
     return updates, new_state, updates
 
-  def flat_update(*leaves):
-    g, s, p = jax.tree_util.tree_unflatten(in_tree, leaves)
-    return update(g, s, p)
-
-  closed, (updates_shape, state_shape) = jax.make_jaxpr(flat_update, return_shape=True)(
-      *flat)
-  jaxpr = closed.jaxpr
-  n_updates = len(jax.tree_util.tree_leaves(updates_shape))
-  outs = jex_core.jaxpr_as_fun(closed)(*flat)
-  updates_tree = jax.tree_util.tree_structure(updates_shape)
-  updates = jax.tree_util.tree_unflatten(updates_tree, outs[:n_updates])
-  new_state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state_shape),
-                                           outs[n_updates:])
+  traced = _select.trace_update(update, grads, state, params)
+  jaxpr, n_updates = traced.closed.jaxpr, traced.n_updates
+  outs = jex_core.jaxpr_as_fun(traced.closed)(*traced.flat)
+  updates, new_state = traced.trees(outs)
 
   # The second evaluation: each new state leaf defined by an equation is read back opaque.
   outer = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -60,9 +51,7 @@ def update_twice(update: Callable[..., tuple[Any, Any]], grads: Any, state: Any,
   for v, x in zip(jaxpr.outvars[n_updates:], outs[n_updates:]):
     if not isinstance(v, jex_core.Literal) and v not in outer:
       again[v] = _inplace.opaque(x) if _tree.is_float(x) and x.size else x
-  vals: dict = dict(zip(jaxpr.constvars, closed.consts))
-  vals.update(zip(jaxpr.invars, flat))
-  read = lambda v: _select.literal(v) if isinstance(v, jex_core.Literal) else vals[v]
+  vals, read = traced.environment()
   vals.update(again)
   needed = _needed(jaxpr, jaxpr.outvars[:n_updates], stop=set(again))
   for eqn in jaxpr.eqns:
@@ -70,8 +59,7 @@ def update_twice(update: Callable[..., tuple[Any, Any]], grads: Any, state: Any,
       continue
     for v, x in zip(eqn.outvars, _select.rebind(eqn, [read(v) for v in eqn.invars])):
       vals[v] = again.get(v, x)
-  updates_again = jax.tree_util.tree_unflatten(
-      updates_tree, [read(v) for v in jaxpr.outvars[:n_updates]])
+  updates_again, _ = traced.trees([read(v) for v in jaxpr.outvars])
   return updates, new_state, updates_again
 
 

@@ -28,7 +28,7 @@ the arguments), where nothing is donated.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,7 @@ def skip_unless(ok: jax.Array, update: Callable[..., tuple[Any, Any]], grads: An
     of -0.0 for floating leaves (``x + -0.0 == x`` for every x; other leaves as computed)
     and `state` bit for bit.
   """
-  flat, in_tree = jax.tree_util.tree_flatten((grads, state, params))
+  flat = jax.tree_util.tree_leaves((grads, state, params))
   n_grads = len(jax.tree_util.tree_leaves(grads))
   old = flat[n_grads:n_grads + len(jax.tree_util.tree_leaves(state))]
 
@@ -64,36 +64,68 @@ def skip_unless(ok: jax.Array, update: Callable[..., tuple[Any, Any]], grads: An
     updates, new_state = update(grads, state, params)
     return _tree.skip_updates(ok, updates), _tree.select(ok, new_state, state)
 
+  traced = trace_update(update, grads, state, params)
+  closed, n_updates = traced.closed, traced.n_updates
+  if not _same_layout(state, traced.state_shape) or closed.jaxpr.effects:
+    updates, new_state = traced.trees(jex_core.jaxpr_as_fun(closed)(*flat))
+    return _tree.skip_updates(ok, updates), _tree.select(ok, new_state, state)
+  jaxpr = closed.jaxpr
+  state_out = jaxpr.outvars[n_updates:]
+  at_definition = _selectable(jaxpr, state_out, old)
+  vals, read = traced.environment()
+  for eqn in jaxpr.eqns:
+    for v, x in zip(eqn.outvars, rebind(eqn, [read(v) for v in eqn.invars])):
+      vals[v] = jnp.where(ok, x, at_definition[v]) if v in at_definition else x
+  updates, new_state = traced.trees(
+      [read(v) for v in jaxpr.outvars[:n_updates]]
+      + [read(v) if v in at_definition else jnp.where(ok, read(v), o)
+         for v, o in zip(state_out, old)])
+  return _tree.skip_updates(ok, updates), new_state
+
+
+class TracedUpdate(NamedTuple):
+  """``update(grads, state, params)`` traced to one jaxpr over the flat leaves of its
+  arguments (`trace_update`), for the evaluators that replay it equation by equation."""
+
+  flat: list  # the leaves of (grads, state, params), the jaxpr's inputs
+  closed: Any  # the ClosedJaxpr; outputs: the updates' leaves, then the new state's
+  updates_shape: Any  # ShapeDtypeStruct trees of the outputs
+  state_shape: Any
+
+  @property
+  def n_updates(self) -> int:
+    return len(jax.tree_util.tree_leaves(self.updates_shape))
+
+  def trees(self, outs: list) -> tuple[Any, Any]:
+    """(updates, new_state) from values of the jaxpr's outputs, in order."""
+    n = self.n_updates
+    return (jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self.updates_shape),
+                                         outs[:n]),
+            jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self.state_shape),
+                                         outs[n:]))
+
+  def environment(self) -> tuple[dict, Callable[[Any], Any]]:
+    """(vals, read): the jaxpr's constants and inputs by variable, and a reader of a
+    variable's value (from `vals`, which the replay extends) or of a literal."""
+    jaxpr = self.closed.jaxpr
+    vals: dict = dict(zip(jaxpr.constvars, self.closed.consts))
+    vals.update(zip(jaxpr.invars, self.flat))
+    return vals, lambda v: literal(v) if isinstance(v, jex_core.Literal) else vals[v]
+
+
+def trace_update(update: Callable[..., tuple[Any, Any]], grads: Any, state: Any,
+                 params: Any) -> TracedUpdate:
+  """`update` traced on the flat leaves of (grads, state, params); no tracer is needed
+  among them (eager arguments trace too)."""
+  flat, in_tree = jax.tree_util.tree_flatten((grads, state, params))
+
   def flat_update(*leaves):
     g, s, p = jax.tree_util.tree_unflatten(in_tree, leaves)
     return update(g, s, p)
 
   closed, (updates_shape, state_shape) = jax.make_jaxpr(flat_update, return_shape=True)(
       *flat)
-  n_updates = len(jax.tree_util.tree_leaves(updates_shape))
-  state_tree = jax.tree_util.tree_structure(state_shape)
-  if not _same_layout(state, state_shape) or closed.jaxpr.effects:
-    outs = jex_core.jaxpr_as_fun(closed)(*flat)
-    updates = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(updates_shape),
-                                           outs[:n_updates])
-    new_state = jax.tree_util.tree_unflatten(state_tree, outs[n_updates:])
-    return _tree.skip_updates(ok, updates), _tree.select(ok, new_state, state)
-  jaxpr = closed.jaxpr
-  state_out = jaxpr.outvars[n_updates:]
-  at_definition = _selectable(jaxpr, state_out, old)
-  vals: dict = dict(zip(jaxpr.constvars, closed.consts))
-  vals.update(zip(jaxpr.invars, flat))
-  read = lambda v: literal(v) if isinstance(v, jex_core.Literal) else vals[v]
-  for eqn in jaxpr.eqns:
-    for v, x in zip(eqn.outvars, rebind(eqn, [read(v) for v in eqn.invars])):
-      vals[v] = jnp.where(ok, x, at_definition[v]) if v in at_definition else x
-  updates = [read(v) for v in jaxpr.outvars[:n_updates]]
-  new_state = [read(v) if v in at_definition else jnp.where(ok, read(v), o)
-               for v, o in zip(state_out, old)]
-  updates = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(updates_shape),
-                                         updates)
-  return (_tree.skip_updates(ok, updates),
-          jax.tree_util.tree_unflatten(state_tree, new_state))
+  return TracedUpdate(flat, closed, updates_shape, state_shape)
 
 
 def rebind(eqn, invals: list) -> list:
