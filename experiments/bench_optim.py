@@ -5,11 +5,12 @@
 every preset's `build_optimizer` around optax.adamw and of the transforms it is made of,
 as the median over R interleaved rounds (each round times every row once, in a new
 shuffled order, so slow drifts of the machine and a row's place in the round hit every
-row alike) of the row's time over the baseline's in that round. The baseline is a hand-written f32-master AdamW on bf16 params, written as a
-training loop would; a second ratio is over `master_weights(optax.adamw)` without any
-guard, the library's own update less the guard. Beside each ratio: the compiled program's temporary
-memory (`memory_analysis().temp_size_in_bytes`) per parameter, the transient memory the
-step needs beyond its donated arguments. `run(quick)` returns the same figures as a dict.
+row alike) of the row's time over the baseline's in that round. The baseline is a
+hand-written f32-master AdamW on bf16 params, written as a training loop would; a second
+ratio is over `master_weights(optax.adamw)` without any guard, the library's own update
+less the guard. Beside each ratio: the compiled program's temporary memory
+(`memory_analysis().temp_size_in_bytes`) per parameter, the transient memory the step
+needs beyond its donated arguments. `run(quick)` returns the same figures as a dict.
 CPU figures unless a GPU is present; the backend is printed with them.
 """
 
