@@ -37,11 +37,29 @@ is dropped:
 * ``a * b + c`` on 256 random values, against numpy's per-op rounding (the product
   rounded to the dtype, then the sum): an FMA differs in about a quarter of them.
 
-On this project's CPU machines (jax 0.10.2, XLA:CPU) the first probe differs without the
-excess-precision flag, the second only on CPUs with AVX-512 FP16 without the ISA ceiling
-(tests/test_numerics.py records both). On a backend where no flag makes a dtype faithful
-(a GPU, whose f16/bf16 FMAs XLA also contracts, or an Arm CPU with native f16), the status
-names that dtype False and `faithful_rounding_enabled()` is False.
+Measured on this project's CPU machines (jax 0.10.2, XLA:CPU; tests/test_numerics.py
+measures each case against per-op ml_dtypes rounding in a fresh interpreter and checks
+that the status equals the measurement, and runs a CPU without AVX-512 FP16 under the
+AVX2 ceiling on a CPU that has it):
+
+* bf16 without the excess-precision flag: the first probe differs (every row), and a
+  512 x 512 bf16 softmax changes in about 2% of its elements.
+* f16 without that flag keeps every rounding on either kind of CPU: XLA:CPU computes each
+  f16 op in f32 and rounds it, and does not fold those roundings away (exp-then-sum and an
+  elementwise chain per op). The flag makes no difference to f16; the ISA ceiling does,
+  on a CPU with AVX-512 FP16 (the second probe differs there without it, in 27% of the
+  elements).
+* One rewrite stays that no flag turns off: XLA's algebraic simplifier computes a division
+  by a broadcast operand (``x / y[:, None]``, a softmax's division by its row sum) as a
+  multiplication by the reciprocal, rounded to the dtype the division is computed in: f16
+  itself (26% of f16 quotients differ from the per-op division, and f32's alike), f32 for
+  bf16 (whose ops XLA:CPU computes in f32; no bf16 quotient changed in the measurement).
+  A division of two full-shape operands is per op. The probes do not count this rewrite:
+  it is the program XLA wrote, rounded per op.
+
+On a backend where no flag makes a dtype faithful (a GPU, whose f16/bf16 FMAs XLA also
+contracts, or an Arm CPU with native f16), the status names that dtype False and
+`faithful_rounding_enabled()` is False.
 """
 
 from __future__ import annotations
