@@ -28,6 +28,8 @@ from flax import nnx
 
 from precision import fp8
 from precision import optim
+from precision.flax import _nnx
+from precision.numerics import _telemetry
 
 
 def _scaled_loss(fn: Callable[..., Any], scale: jax.Array, has_aux: bool):
@@ -63,7 +65,6 @@ def _scaled_loss(fn: Callable[..., Any], scale: jax.Array, has_aux: bool):
 
 def _telemetry_spec(fn, model_or_params):
   """(the spec the call runs under, the function to trace under it) for telemetry."""
-  from precision.flax import _nnx  # pylint: disable=g-import-not-at-top
   if isinstance(model_or_params, nnx.Module):
     spec = _nnx.spec_of(model_or_params)
     if spec is None:
@@ -142,7 +143,6 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
     plain = value_and_grad(fn, opt_state, has_aux=has_aux)
 
     def with_telemetry(model_or_params, *args, **kwargs):
-      from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
       spec, inner = _telemetry_spec(fn, model_or_params)
       traced = value_and_grad(inner, opt_state, has_aux=has_aux)
       # The model passed is flattened and rebuilt inside the telemetry trace: its state
@@ -254,7 +254,6 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
     skipped = optim.step_skipped(opt_state, new_opt_state)
     nnx.update(model, fp8.rollback_fp8_state(nnx.state(model, fp8.Fp8State), before, skipped))
   if telemetry:
-    from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
     monitors = _telemetry.update_monitors(params_before, nnx.state(model, nnx.Param), grads,
                                           opt_state, new_opt_state)
     return loss, new_opt_state, record.with_monitors(monitors)

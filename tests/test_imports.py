@@ -24,6 +24,12 @@ KNOWN_CYCLES = {
         "a Plan holds an AutocastSpec and offers plan.optimizer / plan.memory_ledger, "
         "while AutocastSpec.make, build_optimizer and memory_ledger each accept a Plan: "
         "the Plan side imports them in the function",
+    frozenset({"precision.study._task", "precision.study._bisect_cell",
+               "precision.study._cells", "precision.study._digest",
+               "precision.study._models"}):
+        "inside the study: Task.bisect_replay (how numerics.bisect, below the study, "
+        "replays a cell without importing it) builds the replay from the study's "
+        "programs, which take a Task",
 }
 
 
@@ -158,3 +164,55 @@ def test_function_level_import_cycles_are_the_known_ones():
   assert not new, "new import cycles:\n" + "\n".join(_describe(edges, c) for c in new)
   gone = [sorted(c) for c in KNOWN_CYCLES if c not in cycles]
   assert not gone, f"cycles no longer there (remove them from KNOWN_CYCLES): {gone}"
+
+
+# The layers of precision/, lowest first: a package (a subpackage, or a top-level module)
+# imports only packages of lower layers, at module or function level. Inside the recipe
+# core the four packages still import each other (KNOWN_CYCLES); nothing imports the root
+# package, which re-exports the public surface. docs/architecture.md draws this table.
+LAYERS = (
+    ("_compat", "_fp32_ops", "_policy", "_state", "_version"),
+    ("_numerics", "_gemm", "formats", "_recipe"),
+    ("rounding", "ops"),
+    ("_autocast", "_plan", "fp8", "optim"),     # the recipe core
+    ("audit", "checkpoint", "flax"),
+    ("numerics",),
+    ("_train", "parallel"),
+    ("_jit_step",),
+    ("study",),
+)
+_CORE = frozenset(LAYERS[3])
+
+
+def _package(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else ""
+
+
+def test_packages_import_only_lower_layers():
+  rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+  edges = _edges()
+  packages = {_package(m) for m in edges} - {""}
+  assert packages == set(rank), (
+      f"packages not in LAYERS: {sorted(packages - set(rank))}; "
+      f"in LAYERS but gone: {sorted(set(rank) - packages)}")
+  wrong = []
+  for module, imports in edges.items():
+    src = _package(module)
+    for target, top, line in imports:
+      dst = _package(target)
+      if src == dst:
+        continue
+      if dst == "" or (src != "" and rank[dst] >= rank[src]
+                       and not (src in _CORE and dst in _CORE)):
+        wrong.append(f"{module} line {line} imports {target} "
+                     f"({'module level' if top else 'in a function'}): layer "
+                     f"{rank.get(src, 'root')} -> {rank.get(dst, 'root')}")
+  assert not wrong, "\n".join(wrong)
+
+
+def test_numerics_imports_nothing_from_the_study():
+  edges = _edges()
+  found = [(m, t, line) for m, imports in edges.items() if _package(m) == "numerics"
+           for t, _, line in imports if _package(t) == "study"]
+  assert not found, found

@@ -370,9 +370,9 @@ def test_study_cell_is_bisected_from_its_checkpoint(tmp_path):
 
 
 def test_study_overrides_keep_the_direction_bisect_leaves_out():
-  from precision.numerics import _bisect_task
+  from precision.study import _bisect_cell
   study = {"l0": "p=f32,c=bf16,o=f32", "head": "p=f32,c=f32,o=f32"}
-  got = _bisect_task._merged(study, {"l0": {"bwd": "p=f32,c=f32,o=f32"}, "l1": "f32"})
+  got = _bisect_cell._merged(study, {"l0": {"bwd": "p=f32,c=f32,o=f32"}, "l1": "f32"})
   assert got == {"l0": {"fwd": "p=f32,c=bf16,o=f32", "bwd": "p=f32,c=f32,o=f32"},
                  "head": "p=f32,c=f32,o=f32", "l1": "f32"}
-  assert _bisect_task._merged(study, None) == study
+  assert _bisect_cell._merged(study, None) == study

@@ -351,8 +351,10 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
     >>> mp.numerics.bisect(task, "f16_mixed", checkpoint="study_out/cells/"
     ...                    "f16_mixed__s0/ckpt", step=100, steps=20, tolerance=0.05)
   """
-  from precision.study._task import Task  # pylint: disable=g-import-not-at-top  (cycle)
-  if not callable(make_step) and not isinstance(make_step, Task):
+  # A precision.study.Task brings its own replay (Task.bisect_replay): numerics sits
+  # below the study and knows it only by that method.
+  is_task = callable(getattr(type(make_step), "bisect_replay", None))
+  if not callable(make_step) and not is_task:
     raise ValueError(f"make_step={make_step!r}; accepted: make_step(recipe, overrides) "
                      "-> step(state, batch) -> (state, loss), or a precision.study.Task")
   recipe = get_recipe(recipe)
@@ -364,13 +366,12 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
   if groups is not None:
     groups = _check_groups(groups)
   start = None
-  if isinstance(make_step, Task):
+  if is_task:
     if state is not None or batches is not None or loss is not None:
       raise ValueError("a Task brings its own state (from `checkpoint`), batches and "
                        "loss; accepted: state=None, batches=None, loss=None with a Task")
-    from precision.numerics import _bisect_task  # pylint: disable=g-import-not-at-top
-    prep = _bisect_task.prepare(make_step, recipe, checkpoint, step, seed, steps,
-                                restore_checked)
+    prep = make_step.bisect_replay(recipe, checkpoint, step, seed, steps,
+                                   restore_checked)
     make_step, state, batches, loss, start = prep[:5]
     if original_losses is None:
       original_losses = prep.original_losses

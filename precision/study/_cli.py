@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-import precision as mp
+from precision import _numerics
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   if not args.no_faithful_rounding:
-    mp.enable_faithful_rounding()  # before the task's module can start JAX's backend
+    _numerics.enable_faithful_rounding()  # before the task's module can start JAX's backend
   from precision import study  # pylint: disable=g-import-not-at-top
   try:
     overrides = {}

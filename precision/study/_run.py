@@ -22,7 +22,6 @@ given, the slice is taken from them. A run of slice 1/1 writes the report at onc
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ from precision._recipe import Recipe
 from precision.study import _cells
 from precision.study import _config
 from precision.study._config import StudyConfig, check_int, make_config, parse_shard
+from precision.study import _digest
 from precision.study import _models
 from precision.study import _report
 from precision.study import _stats
@@ -52,7 +52,6 @@ class _Preflight:
   is another study), and the fp8 GEMMs kept by role."""
 
   def __init__(self, task: Task, cfg: StudyConfig):
-    from flax import nnx  # pylint: disable=g-import-not-at-top
     model = task.init(0)
     self.kind = _models.model_kind(model)
     try:
@@ -61,15 +60,7 @@ class _Preflight:
       raise ValueError("Task.batches(0) yielded no batch; accepted: an iterator of at "
                        "least `steps` batches") from None
     _models.check_loss(task, model, batch)
-    h = hashlib.sha256()
-    if self.kind == "nnx":
-      _cells.update_digest(h, nnx.state(model, nnx.Param))
-    elif self.kind == "linen":
-      _cells.update_digest(h, model[1])
-    else:
-      _cells.update_digest(h, model)
-    _cells.update_digest(h, batch)
-    self.digest = h.hexdigest()
+    self.digest = _digest.digest_of(model, batch)
     self.fp8_keeps: tuple[str, ...] = ()
     if self.kind == "nnx" and any(r.fp8 is not None for r in cfg.recipes):
       self.fp8_keeps = _models.fp8_role_keeps(task, task.init(0), batch)

@@ -103,6 +103,16 @@ class Task:
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"Task.name={self.name!r}; accepted: a non-empty string")
 
+  def bisect_replay(self, recipe, checkpoint, step, seed, steps, restore_checked):
+    """What `precision.numerics.bisect` replays for this task: the cell of `recipe` whose
+    checkpoint directory is `checkpoint`, from its `step` (precision.study._bisect_cell).
+    numerics sits below the study and calls this rather than importing the study."""
+    # In the function: _bisect_cell builds on the study's programs, which import this
+    # module (the one import of the study's that cannot be at module level).
+    from precision.study import _bisect_cell  # pylint: disable=g-import-not-at-top
+    return _bisect_cell.prepare(self, recipe, checkpoint, step, seed, steps,
+                                restore_checked)
+
   def held_out(self) -> list[Any]:
     """The held-out batches of the default evaluation, as a list."""
     if self.eval_batches is not None:

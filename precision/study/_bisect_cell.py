@@ -1,5 +1,9 @@
-"""`bisect` of a precision.study cell: the step, loss, batches and original losses of a
-Task under a recipe, from one of the cell's checkpoints.
+"""A precision.study cell adapted for `precision.numerics.bisect`: the step, loss, batches
+and original losses of a Task under a recipe, from one of the cell's checkpoints.
+
+The study sits above numerics: `bisect` takes a step function, and a Task given to it is
+asked for its replay through `Task.bisect_replay`, which builds it here from the study's
+own programs (the same step as the cell's), so numerics imports nothing from the study.
 
 A study cell's folder holds ``ckpt/`` (precision.checkpoint steps, saved with the recipe
 and the seed), ``steps.jsonl`` (the loss of every step) and sits in a study folder whose
@@ -12,7 +16,6 @@ the seed advanced to the checkpoint's step, as a resumed cell reads them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any, Callable, NamedTuple
@@ -20,8 +23,14 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+
 from precision import checkpoint as ckpt_lib
 from precision._recipe import Recipe
+from precision.study import _cells
+from precision.study import _digest
+from precision.study import _models
+from precision.study._task import batch_stream
 
 
 class Prepared(NamedTuple):
@@ -34,24 +43,6 @@ class Prepared(NamedTuple):
   original_losses: tuple | None
 
 
-def task_digest(task) -> str:
-  """The digest a study records of a task: seed 0's initial params and first batch (as
-  precision.study's preflight computes it)."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from precision.study import _cells, _models  # pylint: disable=g-import-not-at-top
-  model = task.init(0)
-  kind = _models.model_kind(model)
-  h = hashlib.sha256()
-  if kind == "nnx":
-    _cells.update_digest(h, nnx.state(model, nnx.Param))
-  elif kind == "linen":
-    _cells.update_digest(h, model[1])
-  else:
-    _cells.update_digest(h, model)
-  _cells.update_digest(h, next(iter(task.batches(0))))
-  return h.hexdigest()
-
-
 def _study_overrides(task, directory: str) -> dict:
   """The overrides the study trained every cell with ({} outside a study folder); a
   checkpoint inside a study folder (<out>/cells/<cell>/ckpt) must be of this task."""
@@ -62,7 +53,7 @@ def _study_overrides(task, directory: str) -> dict:
   with open(path) as f:
     identity = json.load(f).get("identity", {})
   recorded = identity.get("task_digest")
-  if recorded is not None and recorded != task_digest(task):
+  if recorded is not None and recorded != _digest.task_digest(task):
     raise ValueError(f"checkpoint={directory!r} is from another run: the study in {out} "
                      f"trained another task (its task digest {recorded[:12]}... differs "
                      "from this task's initial params and first batch); accepted: a "
@@ -71,7 +62,6 @@ def _study_overrides(task, directory: str) -> dict:
 
 
 def _recorded_losses(directory: str, start: int, steps: int) -> tuple | None:
-  from precision.study import _cells  # pylint: disable=g-import-not-at-top
   path = os.path.join(os.path.dirname(os.path.abspath(directory)), "steps.jsonl")
   losses = {r["step"]: r["loss"] for r in _cells.read_jsonl(path) if "loss" in r}
   want = range(start + 1, start + steps + 1)
@@ -82,8 +72,6 @@ def _recorded_losses(directory: str, start: int, steps: int) -> tuple | None:
 
 def _loss_of(task, prog, seed: int, start: int, state) -> Callable:
   """``loss(params, batch)`` of the task's model under the restored state, for inspect."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from precision.study import _models  # pylint: disable=g-import-not-at-top
   if prog.kind == "nnx":
     rest = state.model_state
     return lambda params, batch: task.loss(nnx.merge(prog.graphdef, params, rest), batch)
@@ -98,8 +86,6 @@ def _loss_of(task, prog, seed: int, start: int, state) -> Callable:
 def prepare(task, recipe: Recipe, directory: str, step: int | None, seed: int | None,
             steps: int, restore_checked: Callable) -> Prepared:
   """The replay of `task` under `recipe` from checkpoint `step` of `directory`."""
-  from precision.study import _models  # pylint: disable=g-import-not-at-top
-  from precision.study._task import batch_stream  # pylint: disable=g-import-not-at-top
   if directory is None:
     raise ValueError("checkpoint=None with a Task; accepted: the cell's checkpoint "
                      "directory (<study out>/cells/<cell>/ckpt)")
