@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from precision import _step_core
 from precision import fp8
 from precision import optim
 from precision.flax import _nnx
@@ -244,15 +245,15 @@ def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: A
     params_before = jax.tree.map(lambda x: x, params)
   else:
     loss, grads = value_and_grad(loss_fn, opt_state)(model, *args, **kwargs)
-  # optax's convention: a transformation taking extra arguments (a spike guard) gets the
-  # unscaled loss as `value`; any other is called exactly as before.
-  extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-  # update, apply_updates and the state's writes ordered after the params' (in place).
-  new_params, new_opt_state = optim.update_and_apply(tx, grads, opt_state, params, **extra)
-  nnx.update(model, new_params)
+  # The step core: the unscaled loss as a spike guard's `value`, update, apply_updates,
+  # in-place ordering, and the fp8 state of a skipped step rolled back.
+  result = _step_core.apply_gradients(
+      tx, grads, opt_state, params, loss=loss, fp8_before=before,
+      fp8_after=nnx.state(model, fp8.Fp8State) if has_fp8 else None)
+  new_opt_state = result.opt_state
+  nnx.update(model, result.params)
   if has_fp8:
-    skipped = optim.step_skipped(opt_state, new_opt_state)
-    nnx.update(model, fp8.rollback_fp8_state(nnx.state(model, fp8.Fp8State), before, skipped))
+    nnx.update(model, result.fp8_state)
   if telemetry:
     monitors = _telemetry.update_monitors(params_before, nnx.state(model, nnx.Param), grads,
                                           opt_state, new_opt_state)

@@ -175,7 +175,7 @@ LAYERS = (
     ("_numerics", "_gemm", "formats", "_recipe"),
     ("rounding", "ops"),
     ("_autocast", "_plan", "fp8", "optim"),     # the recipe core
-    ("audit", "checkpoint", "flax"),
+    ("audit", "checkpoint", "flax", "_step_core"),
     ("numerics",),
     ("_train", "parallel"),
     ("_jit_step",),

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision import _step_core
 from precision._autocast import _api
-from precision.optim import _inplace
 from precision.parallel import _collectives as coll
 from precision.parallel import _fsdp
 from precision.parallel._layout import ParamLayout, flatten_pad, own_shard, unflatten
@@ -226,23 +226,24 @@ def local_step(cfg: StepConfig, layout: ParamLayout, params, opt_state, batch,
     if stage == 3 and cfg.gather == "layer":
       _check_all_gathered(layout, gathered)
 
-  extra = {}
-  if isinstance(cfg.tx, optax.GradientTransformationExtraArgs):
-    # A transformation taking extra arguments (a spike guard) gets the loss as `value`:
-    # the unscaled global mean, the same on every rank, so every rank decides alike.
-    extra["value"] = jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
-  updates, opt_state = cfg.tx.update(grads, opt_state, shards, **extra)
-  shards = cfg.hooks.apply_updates(shards, updates)
-  # The state's narrow leaves written after the params' (precision.optim.order_after): the
-  # donated shards update in place; the values are the same bit for bit.
-  opt_state = _inplace.order_after(opt_state, shards)
+  # The loss a spike guard sees as `value` is the unscaled global mean, the same on every
+  # rank, so every rank decides alike.
+  loss = jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
+  # The step core (precision._step_core): update, the hook's apply_updates on the shards,
+  # the narrow state leaves ordered after them (in place), and the fp8 state of a step
+  # the optimizer skipped rolled back (every rank skips alike: the guard reads reduced
+  # grads and the global loss).
+  result = _step_core.apply_gradients(
+      cfg.tx, grads, opt_state, shards, loss=loss, apply_updates=cfg.hooks.apply_updates,
+      fp8_before=fp8_state if cfg.fp8_state else None,
+      fp8_after=_next_fp8_state(cfg, *fp8_out) if cfg.fp8_state else None)
+  shards, opt_state = result.params, result.opt_state
   if stage in (1, 2):
     params = layout.map(
         lambda lay, s: unflatten(coll.all_gather_flat(s, red(lay)), lay), shards)
   else:
     params = shards
   if cfg.fp8_state:
-    fp8_state = _next_fp8_state(cfg, *fp8_out)
-  loss = extra["value"] if extra else jax.lax.pmean(scaled_loss / scale, cfg.axis_name)
+    fp8_state = result.fp8_state
   metrics = {"loss": loss, **cfg.hooks.metrics(opt_state)}
   return params, opt_state, fp8_state, metrics
