@@ -141,7 +141,7 @@ def judge(out: str, cfg, judging: Judging, floor_nudge: str | None = None) -> di
                p_equivalence=c.p_equivalence, margin=c.margin, power=c.power,
                seeds_needed=c.seeds_needed, test=c.test, ci_holm=list(c.ci_holm),
                ci_holm_level=c.ci_holm_level, equivalence_bound=c.equivalence_bound,
-               ci_rule=("Holm" if c.test == "t" else "t, not the sign-flip test's"),
+               ci_rule=("Holm-consistent" if c.test == "t" else "t, not the sign-flip test's"),
                decided=_stats.is_decision(c.verdict) or bool(c.equivalent))
     direction = c.verdict if _stats.is_decision(c.verdict) else None
     row["practically_equivalent"] = _practical(direction, c.mean_delta, margin, floor)
@@ -194,11 +194,11 @@ def _verdict_words(row, direction, control: str, margin, floor, equivalent, why:
   tightest bound the seeds support."""
   mean = _fmt(row["mean_delta"])
   reason = _practical(direction, row["mean_delta"], margin, floor)
+  how = f"({_rel(row)[2:]}; {why})" if _rel(row) else f"({why})"
   if direction is not None and reason:
-    words = (f"practically equivalent: {direction} than {control} by {mean}{_rel(row)} "
-             f"({why}), {reason}")
+    words = f"practically equivalent: {direction} than {control} by {mean} {how}, {reason}"
   elif direction is not None:
-    words = f"{direction} than {control} by {mean}{_rel(row)} ({why})"
+    words = f"{direction} than {control} by {mean} {how}"
   else:
     words = f"no difference detected ({mean}{_rel(row)})"
   bound = row.get("equivalence_bound")
@@ -224,7 +224,7 @@ def _sequential_verdicts(rows, family, cfg, margin, floor) -> None:
                                        _sequential.HOLDS),
                equivalent=dec.holds, margin=margin, equivalence_bound=dec.bound,
                ci_holm=list(dec.interval), ci_holm_level=1 - p.alpha / p.m,
-               ci_rule="repeated (sequential)", look=dec.look,
+               ci_rule="repeated CI", look=dec.look,
                practically_equivalent=_practical(direction, dec.mean, margin, floor))
     if dec.verdict in (_sequential.UNDECIDED, _sequential.CONTINUE):
       words = (f"undecided after {dec.n} seeds ({_fmt(dec.mean)}{_rel(row)}); "

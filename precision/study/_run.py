@@ -339,6 +339,8 @@ def report_only(out: str, *, margin: float | None = None, target: float | None =
   """
   study = _read_study(out)
   cfg = _config.config_from_study(study)
+  if cfg.sequential is not None and margin is None:
+    margin = cfg.sequential.margin  # the margin its rule stopped recipes at
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   missing = [c.name for c in cfg.grid() if _cells.read_done(out, c) is None]
   if missing:
