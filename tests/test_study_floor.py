@@ -131,24 +131,31 @@ def test_a_tiny_win_reads_as_practically_equivalent():
 
 
 def test_sequential_study_summary(tmp_path):
+  """bf16_mixed holds up at the first look (3 seeds); the A/A arm (the control on other
+  seeds: seed-to-seed spread ~0.1 here) cannot within 0.05 and takes the second round,
+  so the control and the floor run 6 seeds and the recipe stays at 3."""
   out = str(tmp_path / "auto")
   with user_code():
     r = study.run(task(), ["fp32", "bf16_mixed"], seeds="auto", max_seeds=6, margin=0.05,
-                  out=out, **SMALL)
+                  out=out, aa=True, **SMALL)
   rows = r.summary["recipes"]
   bf = rows["bf16_mixed"]
   assert bf["seeds_used"] == len(bf["deltas"]) == 3 and bf["decided"] is True
   assert bf["verdict_code"] == "holds_up" and bf["verdict"].startswith("holds up within ±0.05")
   assert bf["equivalence_bound"] < 0.05 and bf["ci_holm"][0] < 0 < bf["ci_holm"][1]
+  aa = rows["fp32-aa"]
+  assert aa["seeds_used"] == 6 and aa["decided"] is False and aa["verdict_code"] == "undecided"
+  assert aa["verdict"].startswith("undecided after 6 seeds")
+  assert len(rows["fp32"]["final_metric"]) == 6
   floor = r.summary["floor"]
-  assert floor["arm"] == "fp32-floor" and len(floor["deltas"]) == 3
+  assert floor["arm"] == "fp32-floor" and len(floor["deltas"]) == 6
   assert floor["rms"] is not None and floor["margin_below_floor"] is False
   assert floor["nudge"].endswith("(one float32 ulp)")
   assert "**Chaos floor**" in r.markdown
   with open(os.path.join(out, "study.json")) as f:
     st = json.load(f)
   assert st["identity"]["sequential"]["max_seeds"] == 6 and st["identity"]["floor"]
-  assert st["sequential_state"] == {"seeds": 3, "arm_seeds": []}
+  assert st["sequential_state"] == {"seeds": 6, "arm_seeds": [["bf16_mixed", 3]]}
   again = study.report_only(out)
   assert _report.comparable(again.summary) == _report.comparable(r.summary)
 
@@ -192,6 +199,7 @@ def test_sequential_study_killed_and_rerun_ends_the_same(tmp_path):
     (dict(seeds="many"), r"seeds='many'; accepted: an integer >= 2 or 'auto'"),
     (dict(seeds="auto", margin=0.05, shard="1/2"), r"shard 1/2 with seeds='auto'"),
     (dict(seeds=3, floor="yes"), r"floor='yes'"),
+    (dict(seeds="auto", margin=0.05, test="sign_flip"), r"test='sign_flip' with seeds='auto'"),
 ])
 def test_bad_input_touches_nothing(tmp_path, kwargs, match):
   out = str(tmp_path / "never")

@@ -6,6 +6,14 @@ order, then the cell's outcome), summary.json (one object per recipe), summary.m
 same as a table with the rules in words), loss_curves.png and loss_scale.png (when
 matplotlib is installed).
 
+Each verdict states its magnitude: the mean difference, relative to the control's metric,
+the tightest equivalence bound its seeds support ("within ±x at 95%") and an interval that
+agrees with it; a shown difference smaller than the margin or the chaos floor is worded
+"practically equivalent". With the chaos floor's arm, summary.json has a top-level
+"floor" (its per-seed motion, rms, and the seeds a margin below it would need); a
+seeds="auto" study's rows are its sequential rule's decisions, with `seeds_used` and
+`decided` per recipe.
+
 summary.json keeps what varies from run to run (step times) under "timing" keys only, so
 two runs of one study compare equal once those are dropped (`comparable`).
 """

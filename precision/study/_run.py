@@ -232,6 +232,9 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   if cfg.sequential is not None and (k, n) != (1, 1):
     raise ValueError(f"shard {k}/{n} with seeds='auto'; accepted: one slice (the rounds "
                      "of a sequential study depend on every cell of the round before)")
+  if cfg.sequential is not None and test != "t":
+    raise ValueError(f"test={test!r} with seeds='auto'; accepted: test='t' (the sequential "
+                     "rule's boundaries are for the paired t statistic)")
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   check_int("timing_rounds", timing_rounds, 0)
   check_int("telemetry", telemetry, 0)

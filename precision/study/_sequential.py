@@ -357,7 +357,9 @@ def decide_array(deltas: np.ndarray, look: int, p: Plan) -> tuple[np.ndarray, np
   sd = np.where(np.all(d == d[..., :1], axis=-1), 0.0, sd)
   se = sd / math.sqrt(n)
   safe = np.where(se > 0, se, 1.0)
-  t = np.where(se > 0, mean / safe, np.sign(mean) * np.inf)
+  # sd 0: the same difference on every seed, infinitely significant unless it is 0.
+  flat = np.where(mean > 0, np.inf, np.where(mean < 0, -np.inf, 0.0))
+  t = np.where(se > 0, mean / safe, flat)
   b = p.difference_t[look]
   direction = np.where(t >= b, 1, np.where(t <= -b, -1, 0)).astype(np.int8)
   if p.margin is None:
