@@ -160,6 +160,71 @@ def test_sequential_study_summary(tmp_path):
   assert _report.comparable(again.summary) == _report.comparable(r.summary)
 
 
+def _fake_cells(monkeypatch, metric):
+  """The driver's cells replaced by records of `metric(arm, index)` (no training)."""
+  from precision.study import _cells, _run
+  ran = []
+
+  def run_cell(task, cell, settings, out, on_step=None):
+    del task, settings, on_step
+    ran.append(cell.name)
+    record = {"arm": cell.arm, "recipe": cell.recipe.name, "index": cell.index,
+              "seed": cell.seed, "status": "ok", "final_metric": metric(cell.arm, cell.index)}
+    os.makedirs(_cells.cell_dir(out, cell), exist_ok=True)
+    _cells.write_atomic(os.path.join(_cells.cell_dir(out, cell), "done.json"),
+                        json.dumps(record))
+    return record
+
+  monkeypatch.setattr(_run._cells, "run_cell", run_cell)
+  monkeypatch.setattr(_run, "_task_of", lambda task, cfg, cell: task)
+  return ran
+
+
+def test_sequential_rounds_stop_each_recipe_at_its_decision(tmp_path, monkeypatch):
+  """The driver on synthetic cells: a recipe worse on every seed stops at the look that
+  decides it, one equal to the control stops on holds-up, a noisy one takes every round
+  to the budget; the control and the floor run every seed any recipe uses; a rerun walks
+  the finished rounds without training, and one killed mid-round finishes that round."""
+  from precision.study import _config, _run, _sequential
+  rng = np.random.default_rng(0)
+  base = rng.normal(1.0, 0.1, 12)
+  noise = {a: rng.normal(0.0, 1.0, 12) for a in ("bf16_mixed", "pure_bf16", "f16_mixed")}
+  shift = {"bf16_mixed": (0.0, 0.001), "pure_bf16": (0.05, 0.005), "f16_mixed": (0.0, 0.02)}
+
+  def metric(arm, i):
+    if arm not in shift:  # the control and its floor
+      return float(base[i])
+    mu, sd = shift[arm]
+    return float(base[i] + mu + sd * noise[arm][i])
+
+  ran = _fake_cells(monkeypatch, metric)
+  out = str(tmp_path)
+  with open(os.path.join(out, "study.json"), "w") as f:
+    json.dump({"identity": {}}, f)
+  cfg0 = _config.make_config(["fp32", "bf16_mixed", "pure_bf16", "f16_mixed"], "auto", 10,
+                             margin=0.01, max_seeds=12)
+  cfg = _run._sequential_rounds(None, cfg0, None, out, False)
+  seeds = {a: cfg.n_seeds(a) for a, _, _ in cfg.arms()}
+  p = _config.sequential_plan(cfg)
+  fam = {a: [metric(a, i) - base[i] for i in range(seeds[a])] for a in shift}
+  dec = _sequential.replay(fam, p)
+  assert dec["pure_bf16"].verdict == "worse" and seeds["pure_bf16"] == dec["pure_bf16"].n
+  assert dec["bf16_mixed"].verdict == "holds up" and seeds["bf16_mixed"] < 12
+  assert dec["f16_mixed"].verdict == "undecided" and seeds["f16_mixed"] == 12
+  assert seeds["fp32"] == seeds["fp32-floor"] == 12 and len(ran) == sum(seeds.values())
+  for a in shift:  # every look before the decision continued
+    assert all(_sequential.decide(fam[a][:n], k, p).verdict == "continue"
+               for k, n in enumerate(p.looks) if n < seeds[a])
+  with open(os.path.join(out, "study.json")) as f:
+    assert json.load(f)["sequential_state"]["seeds"] == 12
+  ran.clear()
+  assert _run._sequential_rounds(None, cfg0, None, out, False) == cfg and ran == []
+  os.remove(os.path.join(out, "cells", "f16_mixed__s10", "done.json"))
+  os.remove(os.path.join(out, "cells", "fp32__s11", "done.json"))
+  assert _run._sequential_rounds(None, cfg0, None, out, False) == cfg
+  assert sorted(ran) == ["f16_mixed__s10", "fp32__s11"]
+
+
 @pytest.mark.slow  # two rounds, then a rerun after kills at random points
 def test_sequential_study_killed_and_rerun_ends_the_same(tmp_path):
   ref = str(tmp_path / "ref")

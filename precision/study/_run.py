@@ -308,19 +308,24 @@ def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettin
                        out: str, progress: bool) -> StudyConfig:
   """Runs rounds of a seeds="auto" study until no recipe takes another seed; returns the
   final config. Every round is recomputed from the finished cells, so a killed study
-  rerun continues the same rounds (study.json's "sequential_state" records the last
-  one for `report_only`)."""
+  rerun walks the same rounds (through the finished ones without training) and continues
+  where it stopped; study.json's "sequential_state" records the last for `report_only`.
+  Ends at the fixed point: the next round is this one and all its cells are finished
+  (seeds only grow, up to the budget, so it is reached)."""
   p = _config.sequential_plan(cfg)
   path = os.path.join(out, _STUDY_FILE)
   while True:
-    cfg = _next_round(out, cfg, p)
+    new = _next_round(out, cfg, p)
+    todo = [c for c in new.grid() if _cells.read_done(out, c) is None]
+    if new == cfg and not todo:
+      return cfg
+    cfg = new
     study = _read_study(out)
     study["sequential_state"] = {"seeds": cfg.seeds, "arm_seeds": [list(x) for x in
                                                                    cfg.arm_seeds]}
     _cells.write_atomic(path, json.dumps(study, indent=1))
-    todo = [c for c in cfg.grid() if _cells.read_done(out, c) is None]
     if not todo:
-      return cfg
+      continue  # a round finished before (a rerun): on to the next look
     bar = _bar(len(todo) * cfg.steps, 0, f"study: round to {cfg.seeds} seeds", progress)
     for cell in todo:
       if bar is not None:
