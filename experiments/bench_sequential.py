@@ -44,8 +44,9 @@ def main(argv=None) -> None:
   print(f"Looks {sq.looks(args.max_seeds)}, m = {args.m}, alpha = {sq.ALPHA}; "
         "normal differences, every recipe at the same true difference; "
         f"{min(studies, 4000)} studies per row.\n")
-  print(sq.expected_seeds_table(args.max_seeds, args.m, studies=min(studies, 4000)))
-  print(f"\nFamily-wise error rates (O'Brien-Fleming-type), {studies} studies per row "
+  print(sq.expected_seeds_table(args.max_seeds, args.m, sd_over_margin=(0.1, 0.25, 0.5, 1.0),
+                                studies=min(studies, 4000)))
+  print(f"\nFamily-wise error rates (linear spending, the default), {studies} studies per row "
         f"(binomial s.e. at 0.05: {(0.05 * 0.95 / studies) ** 0.5:.4f}).\n")
   print(error_table(args.max_seeds, args.m, studies))
 

@@ -36,7 +36,7 @@ class Sequential:
   max_seeds: int
   margin: float
   alpha: float
-  spending: str = "obf"
+  spending: str = "linear"
   first: int = 3
   every: int = 3
 

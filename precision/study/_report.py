@@ -344,7 +344,7 @@ def markdown(rows: dict[str, dict], cfg, judging: Judging, study: dict, costs: d
     lines.append(
         f"- Sequential seeds: looks at {', '.join(map(str, p.looks))} seeds; at each look "
         "a recipe still undecided is \"worse\"/\"better\" when its paired t statistic "
-        "crosses a group-sequential boundary (O'Brien-Fleming-type alpha spending, "
+        f"crosses a group-sequential boundary ({p.spending} alpha spending, "
         f"alpha / (2 x {p.m}) per side) and \"holds up within ±{seq.margin:g}\" when both "
         f"one-sided equivalence statistics cross theirs (alpha / {p.m} each); a decided "
         f"recipe takes no more seeds. Under that stopping, the chance of any false "

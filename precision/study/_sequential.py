@@ -36,19 +36,28 @@ to the t statistic per look by equal tail probability: b_k = t^{-1}_{n_k - 1}(Ph
 ch. 11). This is exact for the first look and an approximation after it; the simulation
 tests measure its actual error rates.
 
-The spending function is O'Brien-Fleming-type by default (Lan-DeMets, alpha(t) = 2 - 2
-Phi(z_{1-a/2} / sqrt(t))): it spends little at the first looks (where a t statistic has
-2 or 5 degrees of freedom and its boundaries are huge anyway) and keeps nearly the whole
-alpha for the last, so a study that needs its whole budget still decides as often as a
-fixed design of that size. Measured (`expected_seeds_table`, ``python -m
-precision.study._sequential``; looks 3, 6, 9, 12, m = 3, normal differences, 4000
-studies): with the sd of a difference half the margin, E[seeds] per recipe 8.6 at a true
-difference 0, 8.8 at the margin, 6.8 at twice the margin, against 10 seeds for the fixed
-design of equal power; with sd = margin 11.5, 11.1, 8.8 against 13. Pocock-type
-(``spending="pocock"``, alpha(t) = a ln(1 + (e - 1) t)) stops sooner on clear effects
-(7.0, 7.1, 5.3 at sd = margin / 2) but decides less at the budget: at sd = margin it shows
-"holds up" for a true difference 0 in 40% of studies where O'Brien-Fleming shows it in
-63%, and its E[seeds] there (11.2) exceeds its fixed design's 10.
+The spending function is linear by default, alpha(t) = a t at information fraction t =
+n_k / max_seeds (Kim & DeMets' power family with exponent 1), chosen from the measured
+trade-off between the classic two (`expected_seeds_table`, ``python -m
+experiments.bench_sequential``; looks 3, 6, 9, 12, m = 3, normal differences, 2,000 to
+4,000 studies per figure; E[seeds] per recipe at true differences 0 / margin / 2 x margin):
+
+  sd of a difference / margin      0.1            0.25           0.5            1.0
+  fixed design of equal power      4              6              10             10 to 13
+  linear (default)                 3.4 4.0 3.0    5.3 5.5 4.5    7.1 7.2 5.5    11.2 10.5 7.2
+  Pocock-type                      3.2 3.6 3.0    5.0 5.3 4.1    7.0 7.1 5.3    11.2 10.5 7.1
+  O'Brien-Fleming-type             6.0 6.0 6.0    6.3 6.8 6.0    8.6 8.8 6.8    11.5 11.1 8.8
+
+  "holds up" shown at a true difference 0, sd = margin: linear 0.47, Pocock 0.40, O'Brien-
+  Fleming 0.63 (every design decides ~100% at sd <= margin / 2).
+
+O'Brien-Fleming spends almost nothing at the first looks: a study never stops before 6
+seeds, and a clear effect costs twice the seeds a fixed design needs. Pocock stops clear
+effects soonest but decides least when the budget is tight. Linear spending costs at most
+0.4 seeds more than Pocock where effects are clear, decides more often at sd = margin, and
+uses fewer seeds than the fixed design of equal power for sd <= margin / 2 (at sd = margin,
+where half the studies end undecided, about one more).
+``spending="obf"`` / ``"pocock"`` are available to `plan`.
 
 Error rates. Every recipe's "worse" and "better" boundaries are one-sided tests at level
 alpha / (2 m) each, its two equivalence tests at alpha / m each (Bonferroni over the m
@@ -96,7 +105,7 @@ import numpy as np
 from scipy import optimize, special
 
 ALPHA = 0.05
-SPENDINGS = ("obf", "pocock")
+SPENDINGS = ("linear", "obf", "pocock")
 FIRST_LOOK = 3   # seeds of the first look: a t statistic with 2 degrees of freedom
 EVERY = 3        # seeds added per round after it
 NOISES = ("normal", "t3", "lognormal")
@@ -154,9 +163,12 @@ def looks(max_seeds: int, first: int = FIRST_LOOK, every: int = EVERY) -> tuple[
 def spent(t: np.ndarray, a: float, kind: str) -> np.ndarray:
   """Cumulative one-sided error spent by information fraction t in [0, 1] (Lan-DeMets).
 
-  pocock: a ln(1 + (e - 1) t).   obf: 2 - 2 Phi(z_{1 - a/2} / sqrt(t)).  Both reach a at 1.
+  linear: a t (Kim & DeMets' power family with exponent 1; Hwang-Shih-DeCani at gamma 0).
+  pocock: a ln(1 + (e - 1) t).   obf: 2 - 2 Phi(z_{1 - a/2} / sqrt(t)).  All reach a at 1.
   """
   t = np.asarray(t, np.float64)
+  if kind == "linear":
+    return a * t
   if kind == "pocock":
     return a * np.log1p((math.e - 1.0) * t)
   if kind == "obf":
@@ -168,7 +180,7 @@ def spent(t: np.ndarray, a: float, kind: str) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def z_boundaries(info: tuple[int, ...], a: float, kind: str = "obf") -> tuple[float, ...]:
+def z_boundaries(info: tuple[int, ...], a: float, kind: str = "linear") -> tuple[float, ...]:
   """One-sided upper boundaries c_k of the z statistic Z_k = S(I_k) / sqrt(I_k), S a
   standard Brownian motion, such that P(Z_j < c_j for j < k, Z_k >= c_k) = spent(t_k) -
   spent(t_{k-1}) with t_k = I_k / I_K.
@@ -227,7 +239,7 @@ class Plan(NamedTuple):
     m: recipes in the family (Bonferroni over them).
     alpha: family-wise error rate of the worse/better and of the holds-up verdicts.
     margin: equivalence margin (None: no holds-up verdict).
-    spending: "obf" or "pocock".
+    spending: one of SPENDINGS ("linear", the default, "obf" or "pocock").
     difference_t: per look, |T| >= this decides worse / better (one-sided alpha/(2m) each).
     equivalence_t: per look, both TOST statistics beyond this decide holds up (alpha/m).
   """
@@ -266,7 +278,7 @@ def _t_paths(ns: tuple[int, ...]) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def t_boundaries(ns: tuple[int, ...], a: float, kind: str = "obf") -> tuple[float, ...]:
+def t_boundaries(ns: tuple[int, ...], a: float, kind: str = "linear") -> tuple[float, ...]:
   """One-sided upper boundaries b_k of the t statistic at the looks `ns`, total level a.
 
   Start: the z boundaries of `z_boundaries` carried per look by equal tail probability,
@@ -296,7 +308,7 @@ def t_boundaries(ns: tuple[int, ...], a: float, kind: str = "obf") -> tuple[floa
 
 
 def plan(max_seeds: int, m: int, alpha: float = ALPHA, margin: float | None = None,
-         spending: str = "obf", first: int = FIRST_LOOK, every: int = EVERY,
+         spending: str = "linear", first: int = FIRST_LOOK, every: int = EVERY,
          schedule: Sequence[int] | None = None) -> Plan:
   """The sequential design for m recipes and a budget of `max_seeds` seeds per recipe.
 
