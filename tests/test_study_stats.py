@@ -364,3 +364,48 @@ def test_bad_input_names_the_value():
     st.compare_time_to_target({"a": [1.5, 2]}, [1, 2])
   with pytest.raises(ValueError, match=r"test='t2'"):
     st.compare_time_to_target({"a": [1, 2]}, [1, 2], test="t2")
+
+
+# --------------------------------------------------------------------------- magnitude
+
+
+def test_holm_interval_agrees_with_the_verdict():
+  """The interval shown beside a verdict excludes 0 exactly for WORSE / BETTER rows (the
+  t test's duality at the level Holm tested each row at), on random families."""
+  rng = np.random.default_rng(8)
+  seen = set()
+  for trial in range(300):
+    m = int(rng.integers(1, 8))
+    n = int(rng.integers(3, 9))
+    fam = {f"r{i}": rng.normal(rng.choice([0.0, 0.3, 1.0]), 0.4, n) for i in range(m)}
+    for c in st.compare(fam).values():
+      lo, hi = c.ci_holm
+      decided = st.is_decision(c.verdict)
+      seen.add(decided)
+      assert decided == (lo > 0 or hi < 0), (trial, c.verdict, c.ci_holm, c.p_holm)
+      assert st.CI_LEVEL <= c.ci_holm_level <= 1 - st.ALPHA / m + 1e-12
+  assert seen == {True, False}
+
+
+def test_holm_levels_hand_computed():
+  # m = 4, sorted p 0.005 (<= 0.0125, rejected), 0.01 (<= 0.0167, rejected), 0.03
+  # (> 0.025: Holm stops) -> the two rejected at 1 - 0.05/4 and 1 - 0.05/3, the rest at
+  # 1 - 0.05/2.
+  levels = st.holm_levels([0.01, 0.04, 0.03, 0.005])
+  assert levels == pytest.approx([1 - 0.05 / 3, 0.975, 0.975, 1 - 0.05 / 4])
+  assert st.holm_levels([0.5, 0.6]) == pytest.approx([1 - 0.05 / 2] * 2)
+
+
+def test_equivalence_bound_is_the_tightest_tost_margin():
+  rng = np.random.default_rng(9)
+  for m in (1, 3, 7):
+    for _ in range(20):
+      d = rng.normal(0.01, 0.02, int(rng.integers(3, 10)))
+      b = st.equivalence_bound(d, m=m)
+      assert st.tost_p_value(d, b * (1 + 1e-9)) <= st.ALPHA / m + 1e-12
+      assert st.tost_p_value(d, b * (1 - 1e-6)) > st.ALPHA / m
+  c = st.compare({"a": [0.01, -0.02, 0.005, 0.0], "b": [0.3, 0.2, 0.25, 0.31]})["a"]
+  assert c.equivalence_bound == pytest.approx(st.equivalence_bound(
+      [0.01, -0.02, 0.005, 0.0], m=2))
+  assert st.equivalence_bound([0.1, 0.1, 0.1]) == pytest.approx(0.1)  # sd 0: the mean
+  assert math.isnan(st.equivalence_bound([0.1]))

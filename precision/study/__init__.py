@@ -12,6 +12,12 @@ memory, interleaved step time) and health beside each verdict.
 
   python -m precision.study my_task.py:task --recipes fp32,bf16_mixed,f16_mixed \\
       --seeds 5 --steps 200 --out study_out --margin 0.01
+  python -m precision.study my_task.py:task ... --seeds auto --max-seeds 12 --margin 0.01
+
+``--seeds auto`` adds rounds of seeds until every recipe is worse, better or holds up
+within the margin (a group-sequential rule whose error rates hold under that stopping),
+and reports the chaos floor: how far the control moves when one initial weight moves by
+one ulp.
 
 Examples:
   >>> import precision.study as study

@@ -28,7 +28,14 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("task", help="FILE.py:NAME or package.module:NAME")
   ap.add_argument("--recipes", default="fp32,bf16_mixed,bf16_master,f16_mixed",
                   help="comma-separated presets; the control (fp32) is added if missing")
-  ap.add_argument("--seeds", type=int, default=3, help="seeds per recipe (>= 2)")
+  ap.add_argument("--seeds", type=_seeds_arg, default=3,
+                  help="seeds per recipe (>= 2), or auto: rounds of seeds until every "
+                       "recipe is decided (needs --margin; up to --max-seeds)")
+  ap.add_argument("--max-seeds", type=int, help="budget per recipe of --seeds auto "
+                  "(default 12, >= 2)")
+  ap.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                  help="add the chaos floor's arm: the control from weights one ulp away "
+                       "(default: on with --seeds auto)")
   ap.add_argument("--steps", type=int, default=100)
   ap.add_argument("--out", default="study_out")
   ap.add_argument("--eval-every", type=int, help="default steps // 10")
@@ -55,6 +62,15 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
   return ap
+
+
+def _seeds_arg(text: str):
+  if text.strip() == "auto":
+    return "auto"
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}; accepted: an integer >= 2 or auto") from None
 
 
 def main(argv=None) -> int:
@@ -84,7 +100,7 @@ def main(argv=None) -> int:
           control=args.control, growth_interval=args.growth_interval,
           timing_rounds=args.timing_rounds, progress=not args.no_progress,
           telemetry=args.telemetry,
-          overrides=overrides or None)
+          overrides=overrides or None, max_seeds=args.max_seeds, floor=args.floor)
   except ValueError as e:
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2

@@ -8,6 +8,7 @@ lists the cells; `parse_shard` reads "K/N" or a Slurm array's environment.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 import re
@@ -17,9 +18,27 @@ from precision._plan import bind
 from precision._policy import get_policy
 from precision._recipe import PRESETS, Recipe, get_recipe
 from precision.study import _cells
+from precision.study import _sequential
 
 AA_SEED_OFFSET = 1_000_000
 GROWTH_STEPS_PER_RUN = 15  # "auto" growth interval: the scale may double this often a run
+FLOOR_SUFFIX = "-floor"    # the chaos floor's arm: "<control>-floor"
+DEFAULT_MAX_SEEDS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequential:
+  """How a ``seeds="auto"`` study adds seeds (`precision.study._sequential`): rounds up
+  to `max_seeds` per recipe, stopping a recipe once it is worse, better or holds up
+  within `margin`, at family-wise error rate `alpha`. Part of the study's identity: the
+  cells it trains depend on it."""
+
+  max_seeds: int
+  margin: float
+  alpha: float
+  spending: str = "linear"
+  first: int = 3
+  every: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +59,11 @@ class StudyConfig:
     max_nonfinite: a cell stops as diverged after this many consecutive non-finite steps.
     overrides: (scope pattern, policy string) pairs every recipe is bound with
       (`precision.bind(recipe, overrides=...)`), e.g. (("*head*", "p=f32,c=f32,o=f32"),).
+    floor: add the chaos floor's arm (the control from initial weights one ulp away, on
+      the control's seeds and batches; `precision.study._floor`).
+    sequential: the rule of a ``seeds="auto"`` study (None: a fixed number of seeds).
+    arm_seeds: (arm, seeds) where an arm runs fewer than `seeds` (a sequential study's
+      recipes that were decided early); the control and the floor run `seeds`.
   """
 
   recipes: tuple[Recipe, ...]
@@ -52,13 +76,31 @@ class StudyConfig:
   growth_interval: str | int
   max_nonfinite: int
   overrides: tuple[tuple[str, str], ...] = ()
+  floor: bool = False
+  sequential: Sequential | None = None
+  arm_seeds: tuple[tuple[str, int], ...] = ()
+
+  @property
+  def floor_arm(self) -> str | None:
+    return f"{self.control}{FLOOR_SUFFIX}" if self.floor else None
 
   def arms(self) -> list[tuple[str, Recipe, int]]:
-    """(arm name, recipe, seed offset) of every row: the control first, A/A last."""
+    """(arm name, recipe, seed offset) of every row: the control first, then the
+    recipes, the A/A arm, and the chaos floor last (its cells train `nudged` weights)."""
     out = [(r.name, r, 0) for r in self.recipes]
     if self.aa:
       out.append((f"{self.control}-aa", self.recipe(self.control), AA_SEED_OFFSET))
+    if self.floor:
+      out.append((self.floor_arm, self.recipe(self.control), 0))
     return out
+
+  def judged_arms(self) -> list[str]:
+    """The arms judged against the control (the family of the verdicts)."""
+    return [a for a, _, _ in self.arms() if a not in (self.control, self.floor_arm)]
+
+  def n_seeds(self, arm: str) -> int:
+    """Seeds `arm` runs (fewer than `seeds` for a recipe a sequential study decided)."""
+    return dict(self.arm_seeds).get(arm, self.seeds)
 
   def recipe(self, name: str) -> Recipe:
     return next(r for r in self.recipes if r.name == name)
@@ -66,7 +108,7 @@ class StudyConfig:
   def grid(self) -> list[_cells.Cell]:
     """Every cell, arm-major."""
     return [_cells.Cell(arm, recipe, i, i + offset)
-            for arm, recipe, offset in self.arms() for i in range(self.seeds)]
+            for arm, recipe, offset in self.arms() for i in range(self.n_seeds(arm))]
 
 
 def check_int(name: str, v: Any, lo: int) -> int:
@@ -87,8 +129,27 @@ def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *
                 eval_every: int | None = None, save_every: int | None = None,
                 control: str = "fp32", aa: bool = False,
                 growth_interval: str | int = "recipe", max_nonfinite: int = 50,
-                overrides: Mapping[str, Any] | None = None) -> StudyConfig:
-  """A validated StudyConfig (ValueError naming any bad value and what is accepted)."""
+                overrides: Mapping[str, Any] | None = None, max_seeds: int | None = None,
+                margin: float | None = None, alpha: float = 0.05,
+                floor: bool | None = None) -> StudyConfig:
+  """A validated StudyConfig (ValueError naming any bad value and what is accepted).
+
+  ``seeds="auto"`` makes a sequential study (`Sequential`: up to `max_seeds`, default
+  DEFAULT_MAX_SEEDS, at `margin` and `alpha`; its first round's seeds in `seeds`);
+  `floor` None: on for a sequential study, off otherwise.
+  """
+  sequential = None
+  if isinstance(seeds, str) and seeds.strip() == "auto":
+    sequential = _sequential_of(max_seeds, margin, alpha)
+    seeds = sequential_looks(sequential)[0]
+  elif max_seeds is not None:
+    raise ValueError(f"max_seeds={max_seeds!r} is given with seeds={seeds!r}; accepted: "
+                     "max_seeds only with seeds='auto'")
+  if floor is None:
+    floor = sequential is not None
+  if not isinstance(floor, bool):
+    raise ValueError(f"floor={floor!r}; accepted: True, False or None (on with "
+                     "seeds='auto')")
   if isinstance(recipes, str):
     recipes = [r.strip() for r in recipes.split(",") if r.strip()]
   resolved = []
@@ -109,6 +170,8 @@ def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *
     else:
       raise ValueError(f"control={control!r} is neither among the recipes {names} nor a "
                        f"preset ({', '.join(PRESETS)})")
+  if isinstance(seeds, str):
+    raise ValueError(f"seeds={seeds!r}; accepted: an integer >= 2 or 'auto'")
   seeds = check_int("seeds", seeds, 2)
   steps = check_int("steps", steps, 1)
   eval_every = (max(1, steps // 10) if eval_every is None
@@ -143,7 +206,36 @@ def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *
     except ValueError as e:
       raise ValueError(f"overrides={dict(overrides)!r}: {e}") from e
   return StudyConfig(tuple(_with_growth(r, growth) for r in control_first), seeds, steps,
-                     eval_every, save_every, control, aa, g, max_nonfinite, pairs)
+                     eval_every, save_every, control, aa, g, max_nonfinite, pairs,
+                     floor, sequential)
+
+
+def _sequential_of(max_seeds, margin, alpha) -> Sequential:
+  max_seeds = DEFAULT_MAX_SEEDS if max_seeds is None else check_int("max_seeds",
+                                                                    max_seeds, 2)
+  if margin is None:
+    raise ValueError("seeds='auto' needs a margin (--margin): the rule stops a recipe "
+                     "once it is worse, better or holds up within the margin, and without "
+                     "one no recipe equal to the control could ever stop")
+  if not (isinstance(margin, (int, float)) and not isinstance(margin, bool)
+          and math.isfinite(margin) and margin > 0):
+    raise ValueError(f"margin={margin!r}; accepted: a finite number > 0 (in the "
+                     "evaluation metric's units)")
+  if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < 1):
+    raise ValueError(f"alpha={alpha!r}; accepted: a number in (0, 1)")
+  return Sequential(max_seeds, float(margin), float(alpha))
+
+
+def sequential_looks(seq: Sequential) -> tuple[int, ...]:
+  """The planned seed counts of a sequential study's looks."""
+  return _sequential.looks(seq.max_seeds, seq.first, seq.every)
+
+
+def sequential_plan(cfg: StudyConfig) -> _sequential.Plan:
+  """The rule of a seeds="auto" study: its judged arms (A/A included) are the family."""
+  seq = cfg.sequential
+  return _sequential.plan(seq.max_seeds, max(1, len(cfg.judged_arms())), seq.alpha,
+                          seq.margin, seq.spending, seq.first, seq.every)
 
 
 def parse_shard(text: str | Sequence[int] | None) -> tuple[int, int]:
@@ -181,9 +273,17 @@ def parse_shard(text: str | Sequence[int] | None) -> tuple[int, int]:
 
 
 def config_from_study(study: dict) -> StudyConfig:
+  """The StudyConfig of a study.json (a sequential study's with the seeds it ran, from
+  its "sequential_state")."""
   ident, extra = study["identity"], study["settings"]
   recipes = tuple(Recipe.from_dict(d) for d in ident["recipes"])
-  return StudyConfig(recipes, ident["seeds"], ident["steps"], ident["eval_every"],
+  seq = ident.get("sequential")
+  seq = Sequential(**seq) if seq else None
+  state = study.get("sequential_state") or {}
+  seeds = state.get("seeds", ident["seeds"]) if seq else ident["seeds"]
+  return StudyConfig(recipes, seeds, ident["steps"], ident["eval_every"],
                      extra["save_every"], ident["control"], ident["aa"],
                      extra["growth_interval"], ident["max_nonfinite"],
-                     tuple(tuple(p) for p in ident.get("overrides", ())))
+                     tuple(tuple(p) for p in ident.get("overrides", ())),
+                     bool(ident.get("floor", False)), seq,
+                     tuple((a, int(n)) for a, n in state.get("arm_seeds", [])))

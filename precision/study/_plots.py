@@ -37,8 +37,9 @@ def curves_figure(result):
   fig = Figure(figsize=(12, 4.5))
   ax_d, ax_a = fig.subplots(1, 2)
   for arm in arms:
-    curves = [_curve(result.runs(arm, i), "eval") for i in seeds]
-    ctrl = [_curve(result.runs(result.control, i), "eval") for i in seeds]
+    mine = [i for i in seeds if (arm, i) in result._runs]  # pylint: disable=protected-access
+    curves = [_curve(result.runs(arm, i), "eval") for i in mine]
+    ctrl = [_curve(result.runs(result.control, i), "eval") for i in mine]
     diffs = []
     for (s, v), (cs, cv) in zip(curves, ctrl):
       common, ia, ib = np.intersect1d(s, cs, return_indices=True)
@@ -70,6 +71,8 @@ def _loss_scale_figure(result, arms: list[str]):
   ax = fig.subplots()
   for arm in arms:
     for i in seeds:
+      if (arm, i) not in result._runs:  # pylint: disable=protected-access
+        continue  # a sequential study's recipe decided before this seed
       recs = result.runs(arm, i)
       s, v = _curve(recs, "loss_scale")
       ax.plot(s, v, color=colors[arm], lw=1, label=arm if i == seeds[0] else None)
@@ -95,7 +98,7 @@ def write(result) -> list[str]:
   paths.append(path)
   scaled = [a for a, r in result.rows.items()
             if any(len({x.get("loss_scale") for x in result.runs(a, i)} - {None, 1.0}) > 0
-                   for i in sorted({i for _, i in result._runs}))]  # pylint: disable=protected-access
+                   for arm, i in result._runs if arm == a)]  # pylint: disable=protected-access
   path = os.path.join(result.out, "loss_scale.png")
   fig = _loss_scale_figure(result, scaled)
   if not scaled:

@@ -6,6 +6,14 @@ order, then the cell's outcome), summary.json (one object per recipe), summary.m
 same as a table with the rules in words), loss_curves.png and loss_scale.png (when
 matplotlib is installed).
 
+Each verdict states its magnitude: the mean difference, relative to the control's metric,
+the tightest equivalence bound its seeds support ("within ±x at 95%") and an interval that
+agrees with it; a shown difference smaller than the margin or the chaos floor is worded
+"practically equivalent". With the chaos floor's arm, summary.json has a top-level
+"floor" (its per-seed motion, rms, and the seeds a margin below it would need); a
+seeds="auto" study's rows are its sequential rule's decisions, with `seeds_used` and
+`decided` per recipe.
+
 summary.json keeps what varies from run to run (step times) under "timing" keys only, so
 two runs of one study compare equal once those are dropped (`comparable`).
 """
@@ -20,6 +28,9 @@ import numpy as np
 
 from precision import optim
 from precision.study import _cells
+from precision.study import _config
+from precision.study import _floor
+from precision.study import _sequential
 from precision.study import _telemetry_report
 from precision.study import _stats
 
@@ -72,8 +83,10 @@ def _health(done: list[dict]) -> dict:
   }
 
 
-def judge(out: str, cfg, judging: Judging) -> dict[str, dict]:
-  """One object per arm (control included) from the finished cells in `out`."""
+def judge(out: str, cfg, judging: Judging, floor_nudge: str | None = None) -> dict[str, dict]:
+  """One object per arm (control and chaos floor included) from the finished cells in
+  `out`. A sequential study's verdicts are its rule's (`_sequential.replay`); the
+  floor's row carries its summary under "floor" (summary.json's top-level "floor")."""
   done = {c: _cells.read_done(out, c) for c in cfg.grid()}
   control = [done[c] for c in _cells_of(cfg, cfg.control)]
   ctrl_ok = {d["index"]: d["final_metric"] for d in control if d["status"] == "ok"}
@@ -97,7 +110,16 @@ def judge(out: str, cfg, judging: Judging) -> dict[str, dict]:
              if d["status"] == "ok" and d["index"] in ctrl_ok]
     row["deltas"] = [float(x) for _, x in pairs]
     row["paired_seeds"] = [i for i, _ in pairs]
-    n = cfg.seeds
+    row["seeds_used"] = len(ds)
+    row["decided"] = False
+    ctrl_paired = [ctrl_ok[i] for i, _ in pairs]
+    row["relative_delta"] = (float(np.mean(row["deltas"]) / abs(np.mean(ctrl_paired)))
+                             if pairs and np.mean(ctrl_paired) != 0 else None)
+    n = len(ds)
+    if arm == cfg.floor_arm:
+      row["verdict"] = "chaos floor (the control from weights one ulp away; not judged)"
+      row["verdict_code"] = "floor"
+      continue
     if health["failed"]:
       row["verdict_code"] = "failed"
       row["verdict"] = (f"failed on {len(health['failed'])} of {n} seeds: "
@@ -114,6 +136,8 @@ def judge(out: str, cfg, judging: Judging) -> dict[str, dict]:
                         "finished too; needs >= 2")
     else:
       family[arm] = row["deltas"]
+  floor = _floor_row(rows, cfg, judging, ctrl_ok, floor_nudge, len(cfg.judged_arms()))
+  margin = cfg.sequential.margin if cfg.sequential is not None else judging.margin
   comparisons = _stats.compare(family, alpha=judging.alpha, margin=judging.margin,
                                test=judging.test) if family else {}
   for arm, c in comparisons.items():
@@ -123,8 +147,16 @@ def judge(out: str, cfg, judging: Judging) -> dict[str, dict]:
     row.update(verdict_code=code, mean_delta=c.mean_delta, ci=list(c.ci),
                p_value=c.p_value, p_holm=c.p_holm, equivalent=c.equivalent,
                p_equivalence=c.p_equivalence, margin=c.margin, power=c.power,
-               seeds_needed=c.seeds_needed, test=c.test)
-    row["verdict"] = _verdict_words(c, cfg.control, judging)
+               seeds_needed=c.seeds_needed, test=c.test, ci_holm=list(c.ci_holm),
+               ci_holm_level=c.ci_holm_level, equivalence_bound=c.equivalence_bound,
+               ci_rule=("Holm-consistent" if c.test == "t" else "t, not the sign-flip test's"),
+               decided=_stats.is_decision(c.verdict) or bool(c.equivalent))
+    direction = c.verdict if _stats.is_decision(c.verdict) else None
+    row["practically_equivalent"] = _practical(direction, c.mean_delta, margin, floor)
+    row["verdict"] = _verdict_words(row, direction, cfg.control, margin, floor,
+                                    c.equivalent, f"Holm p = {c.p_holm:.2g}")
+  if cfg.sequential is not None:
+    _sequential_verdicts(rows, family, cfg, margin, floor)
   for arm, row in rows.items():
     row.setdefault("mean_delta", float(np.mean(row["deltas"])) if row.get("deltas") else None)
     row.setdefault("ci", None)
@@ -134,17 +166,89 @@ def judge(out: str, cfg, judging: Judging) -> dict[str, dict]:
   return rows
 
 
-def _verdict_words(c, control: str, judging: Judging) -> str:
-  if c.verdict in (_stats.WORSE, _stats.BETTER):
-    words = f"{c.verdict} than {control} (Holm p = {c.p_holm:.2g})"
-  elif c.verdict == _stats.NO_DIFFERENCE:
-    words = "no difference detected"
+def _floor_row(rows, cfg, judging: Judging, ctrl_ok, nudge, m) -> float | None:
+  """Fills the floor arm's row with its summary; returns its spread (rms) or None."""
+  if not cfg.floor_arm:
+    return None
+  row = rows[cfg.floor_arm]
+  margin = cfg.sequential.margin if cfg.sequential is not None else judging.margin
+  ctrl = [ctrl_ok[i] for i in row["paired_seeds"]]
+  row["floor"] = _floor.summarize(row["deltas"], row["paired_seeds"],
+                                  float(np.mean(ctrl)) if ctrl else None, margin, nudge,
+                                  max(1, m), judging.alpha)
+  return row["floor"]["rms"] if row["deltas"] else None
+
+
+def _practical(direction, mean: float, margin: float | None, floor: float | None):
+  """Why a shown difference is practically equivalent (None: it is not, or no
+  difference was shown): smaller than the margin, or than the chaos floor's spread."""
+  if direction is None:
+    return None
+  if margin is not None and abs(mean) < margin:
+    return f"smaller than the margin ±{margin:g}"
+  if floor is not None and abs(mean) < floor:
+    return f"smaller than the chaos floor {floor:.3g}"
+  return None
+
+
+def _rel(row) -> str:
+  r = row.get("relative_delta")
+  return "" if r is None else f", {100 * r:+.2g}%"
+
+
+def _verdict_words(row, direction, control: str, margin, floor, equivalent, why: str) -> str:
+  """The verdict with its magnitude: the mean difference and its size relative to the
+  control's metric, worded as practically equivalent where `_practical` says so, and the
+  tightest bound the seeds support."""
+  mean = _fmt(row["mean_delta"])
+  reason = _practical(direction, row["mean_delta"], margin, floor)
+  how = f"({_rel(row)[2:]}; {why})" if _rel(row) else f"({why})"
+  if direction is not None and reason:
+    words = f"practically equivalent: {direction} than {control} by {mean} {how}, {reason}"
+  elif direction is not None:
+    words = f"{direction} than {control} by {mean} {how}"
   else:
-    words = c.verdict
-  if c.equivalent is not None:
-    words += (f"; holds up within ±{c.margin:g}" if c.equivalent else
-              f"; not shown within ±{c.margin:g}")
+    words = f"no difference detected ({mean}{_rel(row)})"
+  bound = row.get("equivalence_bound")
+  if bound is not None and math.isfinite(bound):
+    words += f"; within ±{bound:.3g} at 95%"
+  if equivalent is not None and margin is not None:
+    words += (f"; holds up within ±{margin:g}" if equivalent else
+              f"; not shown within ±{margin:g}")
   return words
+
+
+def _sequential_verdicts(rows, family, cfg, margin, floor) -> None:
+  """A seeds="auto" study's verdicts: its rule replayed over the seeds each recipe ran,
+  with the rule's repeated interval and bound (both valid under the stopping)."""
+  p = _config.sequential_plan(cfg)
+  for arm, dec in _sequential.replay(family, p).items():
+    row = rows[arm]
+    direction = {_sequential.WORSE: _stats.WORSE, _sequential.BETTER: _stats.BETTER}.get(
+        dec.verdict)
+    row.update(verdict_code={_sequential.WORSE: "worse", _sequential.BETTER: "better",
+                             _sequential.HOLDS: "holds_up"}.get(dec.verdict, "undecided"),
+               decided=dec.verdict in (_sequential.WORSE, _sequential.BETTER,
+                                       _sequential.HOLDS),
+               equivalent=dec.holds, margin=margin, equivalence_bound=dec.bound,
+               ci_holm=list(dec.interval), ci_holm_level=1 - p.alpha / p.m,
+               ci_rule="repeated CI", look=dec.look,
+               practically_equivalent=_practical(direction, dec.mean, margin, floor))
+    if dec.verdict in (_sequential.UNDECIDED, _sequential.CONTINUE):
+      words = (f"undecided after {dec.n} seeds ({_fmt(dec.mean)}{_rel(row)}); "
+               f"within ±{dec.bound:.3g} at 95%, not within ±{margin:g}"
+               if math.isfinite(dec.bound) else f"undecided after {dec.n} seeds")
+      if floor is not None and margin <= floor:
+        words += f" (the chaos floor {floor:.3g} is above the margin)"
+      row["verdict"] = words
+    else:
+      where = f"sequential, look {dec.look + 1} of {len(p.looks)}, {dec.n} seeds"
+      if dec.verdict == _sequential.HOLDS:
+        row["verdict"] = (f"holds up within ±{margin:g} ({_fmt(dec.mean)}{_rel(row)}; "
+                          f"within ±{dec.bound:.3g} at 95%; {where})")
+      else:
+        row["verdict"] = _verdict_words(row, direction, cfg.control, margin, floor,
+                                        dec.holds, where)
 
 
 def _time_to_target(rows, cfg, done, judging: Judging) -> None:
@@ -181,23 +285,33 @@ def markdown(rows: dict[str, dict], cfg, judging: Judging, study: dict, costs: d
   finals = [x for x in ctrl["final_metric"] if x is not None]
   lines = [
       f"# Study: {task_name}", "",
-      f"Model kind `{study.get('kind')}`, {cfg.steps} steps, {cfg.seeds} seeds per recipe "
-      f"(seed i: the same initial weights and batches for every recipe). Metric: the "
+      f"Model kind `{study.get('kind')}`, {cfg.steps} steps, "
+      + (f"{cfg.seeds} seeds per recipe" if cfg.sequential is None else
+         f"seeds added in rounds until decided (up to {cfg.sequential.max_seeds}; "
+         f"{cfg.control} ran {cfg.seeds})")
+      + " (seed i: the same initial weights and batches for every recipe). Metric: the "
       f"task's evaluation at the last step, lower is better; {cfg.control}: "
       + (f"{np.mean(finals):.4f} (range over seeds {np.ptp(finals):.4f})." if finals else
          "no finished seed.") + " Δ = recipe - control on the same seed.", ""]
+  floor = rows[cfg.floor_arm].get("floor") if cfg.floor_arm else None
+  if floor and floor.get("rms") is not None:
+    lines += [_floor_line(floor, cfg.control), ""]
   timing = (costs or {}).get("ratio_to_control", {})
-  head = ("| recipe | verdict | Δ per seed | mean Δ [95% CI] | "
+  ci_head = ("mean Δ [95% CI]" if cfg.sequential is None and not any(
+      r.get("ci_holm") for r in rows.values()) else "mean Δ [interval of the verdict]")
+  head = (f"| recipe | verdict | Δ per seed | {ci_head} | "
           + ("time to target (Δ steps) | " if judging.target is not None else "")
           + "bytes/param | step memory | step time / " + cfg.control + " | health |")
   lines += [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
   for arm, row in rows.items():
     deltas = " ".join(_fmt(d) for d in row.get("deltas", [])) or "-"
-    ci = row.get("ci")
+    ci = row.get("ci_holm") or row.get("ci")
     mean = (f"{_fmt(row.get('mean_delta'))} [{_fmt(ci[0])}, {_fmt(ci[1])}]"
             if ci else _fmt(row.get("mean_delta")))
+    if row.get("ci_holm"):
+      mean += f" ({row['ci_holm_level']:.1%} {row['ci_rule']})"
     h = row["health"]
-    health = [f"{h['ok']}/{cfg.seeds} ok"]
+    health = [f"{h['ok']}/{cfg.n_seeds(arm)} ok"]
     if any(h["skipped_steps"]):
       health.append(f"skipped {sum(h['skipped_steps'])} steps")
     if h["max_fp8_saturated"]:
@@ -224,15 +338,41 @@ def markdown(rows: dict[str, dict], cfg, judging: Judging, study: dict, costs: d
       "sign_flip": ("the exact sign-flip permutation test of the mean difference, "
                     "Holm-corrected across the recipes (no normality assumed; its smallest "
                     "p-value with n seeds is 2^(1-n), so few seeds cannot decide)")}
-  lines.append(f"- Test: {test_words[judging.test]}. The interval is Student's t at 95%, "
-               "not corrected for the number of recipes.")
-  if judging.margin is not None:
+  if cfg.sequential is not None:
+    seq = cfg.sequential
+    p = _config.sequential_plan(cfg)
+    lines.append(
+        f"- Sequential seeds: looks at {', '.join(map(str, p.looks))} seeds; at each look "
+        "a recipe still undecided is \"worse\"/\"better\" when its paired t statistic "
+        f"crosses a group-sequential boundary ({p.spending} alpha spending, "
+        f"alpha / (2 x {p.m}) per side) and \"holds up within ±{seq.margin:g}\" when both "
+        f"one-sided equivalence statistics cross theirs (alpha / {p.m} each); a decided "
+        f"recipe takes no more seeds. Under that stopping, the chance of any false "
+        f"\"worse\"/\"better\" is at most {seq.alpha:.0%}, and of any false \"holds up\" "
+        f"for recipes whose true difference is the margin at most {seq.alpha:.0%} "
+        "(independent, roughly normal or symmetric per-seed differences; simulated in the "
+        "library's tests). The interval is the repeated confidence interval of the look "
+        "that decided (it covers the true difference at every look at once), and \"within "
+        "±x at 95%\" the tightest margin those seeds show.")
+  else:
+    lines.append(f"- Test: {test_words[judging.test]}. The interval beside a verdict "
+                 "agrees with it: Student's t at the level Holm tested that recipe at "
+                 "(1 - alpha / (m - k + 1) for the k-th rejected, and the level where Holm "
+                 "stopped for the rest)" + (", while the verdict is the sign-flip test's"
+                                            if judging.test == "sign_flip" else "")
+                 + "; summary.json keeps the uncorrected 95% interval as \"ci\". "
+                 "\"Within ±x at 95%\" is the tightest equivalence margin the seeds show "
+                 "(two one-sided t-tests at alpha / m: every row at once).")
+  lines.append("- Magnitude: Δ is also given relative to the control's metric; a "
+               "\"worse\"/\"better\" smaller than the margin or than the chaos floor's "
+               "spread is written \"practically equivalent\".")
+  if judging.margin is not None and cfg.sequential is None:
     lines.append(f"- Equivalence: \"holds up within ±{judging.margin:g}\" when two "
                  f"one-sided t-tests reject a difference of ±{judging.margin:g} or more "
                  "(Holm-corrected): a false \"holds up\" for a recipe whose true "
                  f"difference is the margin has at most {judging.alpha:.0%} probability.")
   decided = [r for r in rows.values() if r.get("power") is not None and not r["control"]]
-  if decided:
+  if decided and cfg.sequential is None:
     lines.append("- Power: " + "; ".join(
         f"{r['arm']} {_fmt(r['power'], '.2f')}" + (
             f" (80% needs {r['seeds_needed']} seeds)" if r.get("seeds_needed") else "")
@@ -270,6 +410,21 @@ def markdown(rows: dict[str, dict], cfg, judging: Judging, study: dict, costs: d
   return "\n".join(lines) + "\n"
 
 
+def _floor_line(floor: dict, control: str) -> str:
+  rel = f" ({100 * floor['relative']:.2g}% of the metric)" if floor.get("relative") else ""
+  line = (f"**Chaos floor**: {control} trained again on the same seeds and batches from "
+          f"initial weights one ulp away ({floor.get('nudge') or 'one element'}) moves by "
+          + " ".join(_fmt(d) for d in floor["deltas"])
+          + f" per seed: rms {floor['rms']:.3g}{rel}, max {floor['max_abs']:.3g}. No "
+          "margin below it can be told apart from chaos on few seeds.")
+  if floor.get("margin_below_floor"):
+    need = floor.get("seeds_for_margin")
+    line += (f" The margin ±{floor['margin']:g} is below it: showing a recipe within it "
+             + (f"needs about {need} seeds (80% power for a true difference 0)." if need
+                else "needs more than 1000 seeds."))
+  return line
+
+
 def write(out: str, cfg, judging: Judging, task_name: str) -> StudyResult:
   """Writes results.jsonl, summary.json, summary.md and the plots; returns the result."""
   with open(os.path.join(out, "study.json")) as f:
@@ -278,7 +433,7 @@ def write(out: str, cfg, judging: Judging, task_name: str) -> StudyResult:
   if os.path.exists(os.path.join(out, "costs.json")):
     with open(os.path.join(out, "costs.json")) as f:
       costs = json.load(f)
-  rows = judge(out, cfg, judging)
+  rows = judge(out, cfg, judging, study.get("floor_nudge"))
   lines = []
   runs: dict[tuple[str, int], list[dict]] = {}
   for cell in cfg.grid():
@@ -292,6 +447,8 @@ def write(out: str, cfg, judging: Judging, task_name: str) -> StudyResult:
   summary = {"task": task_name, "kind": study.get("kind"),
              "config": study["identity"], "judging": dataclasses.asdict(judging),
              "recipes": rows, "timing": costs}
+  if cfg.floor_arm:
+    summary["floor"] = {"arm": cfg.floor_arm, **rows[cfg.floor_arm].get("floor", {})}
   telemetry = _telemetry_report.summarize(out, cfg)
   if any(telemetry.values()):
     summary["telemetry"] = telemetry

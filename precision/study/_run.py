@@ -22,6 +22,7 @@ given, the slice is taken from them. A run of slice 1/1 writes the report at onc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -35,6 +36,8 @@ import numpy as np
 from precision._recipe import Recipe
 from precision.study import _cells
 from precision.study import _config
+from precision.study import _floor
+from precision.study import _sequential
 from precision.study._config import StudyConfig, check_int, make_config, parse_shard
 from precision.study import _digest
 from precision.study import _models
@@ -72,7 +75,11 @@ def identity(cfg: StudyConfig, task: Task, digest: str) -> dict:
           "recipes": [r.to_dict() for r in cfg.recipes], "control": cfg.control,
           "seeds": cfg.seeds, "steps": cfg.steps, "eval_every": cfg.eval_every,
           "aa": cfg.aa, "max_nonfinite": cfg.max_nonfinite,
-          "overrides": [list(p) for p in cfg.overrides]}
+          "overrides": [list(p) for p in cfg.overrides],
+          # Keys only a floor / sequential study has: older studies keep their identity.
+          **({"floor": True} if cfg.floor else {}),
+          **({"seeds": cfg.sequential.max_seeds,
+              "sequential": dataclasses.asdict(cfg.sequential)} if cfg.sequential else {})}
 
 
 def _check_out(out: str, ident: dict, extra: dict) -> None:
@@ -147,21 +154,29 @@ def _bar(total: int, initial: int, desc: str, progress: bool):
 
 
 def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed"),
-        seeds: int = 3, steps: int = 100, out: str = "study_out", *,
+        seeds: int | str = 3, steps: int = 100, out: str = "study_out", *,
         eval_every: int | None = None, save_every: int | None = None,
         shard: str | Sequence[int] | None = None, margin: float | None = None,
         target: float | None = None, alpha: float = _stats.ALPHA, test: str = "t",
         aa: bool = False, control: str = "fp32", growth_interval: str | int = "recipe",
         max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
         overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
-        telemetry_whatif: bool = True) -> _report.StudyResult | None:
+        telemetry_whatif: bool = True, max_seeds: int | None = None,
+        floor: bool | None = None) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
     task: the user's `Task`.
     recipes: preset names or Recipes (a comma-separated string too); the control (fp32
       unless `control` says otherwise) is added when missing.
-    seeds: seeds per recipe (>= 2: a verdict needs pairs).
+    seeds: seeds per recipe (>= 2: a verdict needs pairs), or "auto": rounds of seeds
+      (3, 6, 9, ... up to `max_seeds`) until every recipe is worse, better or holds up
+      within `margin` (needed), a decided recipe taking no more seeds; the error rates
+      hold under this stopping (`precision.study._sequential`). One slice only.
+    max_seeds: the budget per recipe of seeds="auto" (default 12, >= 2).
+    floor: add the chaos floor's arm: the control from initial weights one ulp away, on
+      the same seeds and batches (None: on with seeds="auto"); its spread is reported
+      beside the verdicts (summary.json "floor").
     steps: optimizer steps per cell.
     out: output folder; a rerun of the same study continues it (finished cells are not
       rerun, unfinished ones resume bit-exactly from their last checkpoint); a rerun with
@@ -202,8 +217,15 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
   cfg = make_config(recipes, seeds, steps, eval_every=eval_every, save_every=save_every,
                     control=control, aa=aa, growth_interval=growth_interval,
-                    max_nonfinite=max_nonfinite, overrides=overrides)
+                    max_nonfinite=max_nonfinite, overrides=overrides, max_seeds=max_seeds,
+                    margin=margin, alpha=alpha, floor=floor)
   k, n = parse_shard(shard)
+  if cfg.sequential is not None and (k, n) != (1, 1):
+    raise ValueError(f"shard {k}/{n} with seeds='auto'; accepted: one slice (the rounds "
+                     "of a sequential study depend on every cell of the round before)")
+  if cfg.sequential is not None and test != "t":
+    raise ValueError(f"test={test!r} with seeds='auto'; accepted: test='t' (the sequential "
+                     "rule's boundaries are for the paired t statistic)")
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   check_int("timing_rounds", timing_rounds, 0)
   check_int("telemetry", telemetry, 0)
@@ -215,7 +237,11 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
                                  telemetry, telemetry_whatif)
   _check_out(out, identity(cfg, task, pre.digest), {
       "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
-      "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps)})
+      "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps),
+      **({"floor_nudge": _floor.describe(task)} if cfg.floor else {})})
+  if cfg.sequential is not None:
+    with _Compile_cache(out):
+      cfg = _sequential_rounds(task, cfg, settings, out, progress)
   mine = cfg.grid()[k - 1::n]
   todo = [c for c in mine if _cells.read_done(out, c) is None]
   bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
@@ -224,13 +250,81 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     for cell in todo:
       if bar is not None:
         bar.set_postfix_str(cell.name)
-      _cells.run_cell(task, cell, settings, out, on_step=bar.update if bar else None)
+      _cells.run_cell(_task_of(task, cfg, cell), cell, settings, out,
+                      on_step=bar.update if bar else None)
     if bar is not None:
       bar.close()
     if any(_cells.read_done(out, c) is None for c in cfg.grid()):
       return None
     _measure_costs(task, cfg, settings, out, timing_rounds)
   return _report.write(out, cfg, judge, task_name=task.name)
+
+
+def _task_of(task: Task, cfg: StudyConfig, cell: _cells.Cell) -> Task:
+  """The task a cell trains: the chaos floor's cells start from nudged weights."""
+  return _floor.nudged_task(task) if cell.arm == cfg.floor_arm else task
+
+
+# --------------------------------------------------------------------------- seeds="auto"
+
+
+def _next_round(out: str, cfg: StudyConfig, p: _sequential.Plan) -> StudyConfig:
+  """The config of the study's next round, from its finished cells: the rule replayed
+  over each judged arm's paired differences (`_sequential.replay`), a recipe still
+  "continue" given the next look's seeds; a recipe with a diverged or failed cell, or
+  whose pairs are missing a seed (the control's did not finish), takes no more."""
+  ctrl = {}
+  for c in (x for x in cfg.grid() if x.arm == cfg.control):
+    d = _cells.read_done(out, c)
+    if d is not None and d["status"] == "ok":
+      ctrl[c.index] = d["final_metric"]
+  want = {}
+  for arm in cfg.judged_arms():
+    done = [_cells.read_done(out, c) for c in cfg.grid() if c.arm == arm]
+    if any(d is None for d in done):
+      want[arm] = cfg.n_seeds(arm)  # this round is not finished yet
+      continue
+    if any(d["status"] != "ok" or d["index"] not in ctrl for d in done):
+      want[arm] = len(done)
+      continue
+    deltas = [d["final_metric"] - ctrl[d["index"]] for d in done]
+    dec = _sequential.replay({arm: deltas}, p)[arm]
+    want[arm] = max(len(done), _sequential.seeds_to_run({arm: dec}, p)[arm])
+  top = max(want.values(), default=cfg.seeds)
+  return dataclasses.replace(cfg, seeds=top,
+                             arm_seeds=tuple((a, k) for a, k in want.items() if k != top))
+
+
+def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettings,
+                       out: str, progress: bool) -> StudyConfig:
+  """Runs rounds of a seeds="auto" study until no recipe takes another seed; returns the
+  final config. Every round is recomputed from the finished cells, so a killed study
+  rerun walks the same rounds (through the finished ones without training) and continues
+  where it stopped; study.json's "sequential_state" records the last for `report_only`.
+  Ends at the fixed point: the next round is this one and all its cells are finished
+  (seeds only grow, up to the budget, so it is reached)."""
+  p = _config.sequential_plan(cfg)
+  path = os.path.join(out, _STUDY_FILE)
+  while True:
+    new = _next_round(out, cfg, p)
+    todo = [c for c in new.grid() if _cells.read_done(out, c) is None]
+    if new == cfg and not todo:
+      return cfg
+    cfg = new
+    study = _read_study(out)
+    study["sequential_state"] = {"seeds": cfg.seeds, "arm_seeds": [list(x) for x in
+                                                                   cfg.arm_seeds]}
+    _cells.write_atomic(path, json.dumps(study, indent=1))
+    if not todo:
+      continue  # a round finished before (a rerun): on to the next look
+    bar = _bar(len(todo) * cfg.steps, 0, f"study: round to {cfg.seeds} seeds", progress)
+    for cell in todo:
+      if bar is not None:
+        bar.set_postfix_str(cell.name)
+      _cells.run_cell(_task_of(task, cfg, cell), cell, settings, out,
+                      on_step=bar.update if bar else None)
+    if bar is not None:
+      bar.close()
 
 
 def report_only(out: str, *, margin: float | None = None, target: float | None = None,
@@ -244,6 +338,8 @@ def report_only(out: str, *, margin: float | None = None, target: float | None =
   """
   study = _read_study(out)
   cfg = _config.config_from_study(study)
+  if cfg.sequential is not None and margin is None:
+    margin = cfg.sequential.margin  # the margin its rule stopped recipes at
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   missing = [c.name for c in cfg.grid() if _cells.read_done(out, c) is None]
   if missing:

@@ -516,6 +516,17 @@ class Comparison(NamedTuple):
     seeds_needed: fewest seeds giving >= 80% power for that same effect (None if not
       computable, e.g. sd 0 or effect 0).
     test: the test used ("t" or "sign_flip").
+    ci_holm: the interval that agrees with the verdict (`holm_intervals`): the t interval
+      at level 1 - alpha / (m - k + 1) for the recipe Holm rejected at its k-th step, and
+      at the level where Holm stopped for the others, so it excludes 0 exactly when the
+      verdict (t test) says WORSE / BETTER. For the sign-flip test it is still the t
+      interval, and can disagree with that test's verdict.
+    ci_holm_level: its two-sided level.
+    equivalence_bound: the tightest equivalence margin the seeds support: the smallest x
+      such that TOST at level alpha / m (Bonferroni over the family) shows |mu| < x,
+      |mean| + t_{1 - alpha/m, n-1} * sd / sqrt(n) (`equivalence_bound`): "within +-x
+      at 95%" for alpha 0.05, family-wise. A margin above it holds up; Holm can also show
+      a margin slightly below it for any but the least certain recipe.
   """
 
   n: int
@@ -531,11 +542,64 @@ class Comparison(NamedTuple):
   power: float
   seeds_needed: int | None
   test: str
+  ci_holm: tuple[float, float] = (float("nan"), float("nan"))
+  ci_holm_level: float = float("nan")
+  equivalence_bound: float = float("nan")
 
 
 def is_decision(verdict: str) -> bool:
   """True for a verdict that claims a difference (WORSE, BETTER, FASTER, SLOWER)."""
   return verdict in (WORSE, BETTER, FASTER, SLOWER)
+
+
+def equivalence_bound(deltas: Sequence[float], alpha: float = ALPHA, m: int = 1) -> float:
+  """Tightest equivalence margin n differences support: |mean| + t_{1-alpha/m, n-1} se.
+
+  TOST at level a = alpha / m rejects |mu| >= x exactly when the (1 - 2a) t interval lies
+  inside (-x, x), i.e. when x > max(|low|, |high|) = |mean| + t_{1-a, n-1} * sd / sqrt(n).
+  Bonferroni over the m recipes of the family: every row's "within +-x" holds at once
+  with probability >= 1 - alpha under normal differences. nan with fewer than 2.
+
+  Examples:
+    >>> round(equivalence_bound([0.01, -0.02, 0.005, 0.0]), 4)
+    0.0167
+  """
+  d = _deltas(deltas)
+  _check_alpha(alpha)
+  _check_count(m, "m", 1)
+  if d.size < 2:
+    return float("nan")
+  return abs(float(np.mean(d))) + _t_quantile(d.size - 1, 1.0 - alpha / m) * _sd(d) / \
+      math.sqrt(d.size)
+
+
+def holm_levels(p_values: Sequence[float], alpha: float = ALPHA) -> list[float]:
+  """Per test, the two-sided level 1 - a_i of an interval that agrees with Holm's verdict.
+
+  Holm compares the k-th smallest p with alpha / (m - k + 1) and stops at the first that
+  is larger; the r tests before it are rejected. A rejected test at step k gets a_i =
+  alpha / (m - k + 1) (its p <= a_i: its interval excludes 0); every test not rejected
+  gets the level where Holm stopped, a_i = alpha / (m - r) (its p > a_i: its interval
+  includes 0). For a t test, whose interval and p-value are dual, the interval at 1 - a_i
+  then excludes 0 exactly for the rejected tests.
+
+  Examples:
+    >>> [round(x, 4) for x in holm_levels([0.01, 0.04, 0.03, 0.005])]
+    [0.9833, 0.975, 0.975, 0.9875]
+  """
+  p = np.asarray(p_values, np.float64).reshape(-1)
+  m = p.size
+  order = np.argsort(p, kind="stable")
+  adjusted = holm(p)
+  out = np.empty(m)
+  rejected = 0
+  for k, i in enumerate(order):
+    if adjusted[i] <= alpha:
+      out[i] = alpha / (m - k)
+      rejected = k + 1
+  for i in order[rejected:]:
+    out[i] = alpha / (m - rejected)
+  return [float(1.0 - a) for a in out]
 
 
 def _p_value(d: np.ndarray, test: str) -> float:
@@ -560,6 +624,7 @@ def _compare(deltas_by_recipe, alpha, margin, test, level, with_power):
   p_adj = holm(p)
   if margin is not None:
     p_eq = holm([tost_p_value(d[k], margin) for k in names])
+  levels = holm_levels(p, alpha)
   out = {}
   for i, k in enumerate(names):
     dk = d[k]
@@ -585,7 +650,9 @@ def _compare(deltas_by_recipe, alpha, margin, test, level, with_power):
         verdict=verdict, margin=None if margin is None else float(margin),
         equivalent=None if margin is None else bool(p_eq[i] <= alpha),
         p_equivalence=None if margin is None else float(p_eq[i]),
-        power=power, seeds_needed=needed, test=test)
+        power=power, seeds_needed=needed, test=test,
+        ci_holm=t_interval(dk, levels[i]), ci_holm_level=levels[i],
+        equivalence_bound=equivalence_bound(dk, alpha, m))
   return out
 
 
