@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import tempfile
@@ -109,8 +110,33 @@ def _errno_in(text: str) -> int | None:
   return None
 
 
+class _OrbaxFailureLog(logging.Filter):
+  """Drops the error records Orbax logs (with their tracebacks, through absl) from its
+  worker threads when a write fails: the same failure reaches `save_item` as an
+  exception and is reported once, in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    from_orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+    return not (from_orbax and record.levelno >= logging.ERROR)
+
+
+@contextlib.contextmanager
+def _orbax_failures_unlogged() -> Iterator[None]:
+  log, quiet = logging.getLogger("absl"), _OrbaxFailureLog()
+  log.addFilter(quiet)
+  try:
+    yield
+  finally:
+    log.removeFilter(quiet)
+
+
 def save_item(path: str, tree: Any) -> None:
   """Writes `tree` as an Orbax StandardCheckpointHandler item at `path` (must not exist)."""
+  with _orbax_failures_unlogged():
+    _save_item(path, tree)
+
+
+def _save_item(path: str, tree: Any) -> None:
   ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
   try:
     with _plain(path, exists=False) as plain, _compat.orbax_drained_event_loops():

@@ -163,7 +163,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         aa: bool = False, control: str = "fp32", growth_interval: str | int = "recipe",
         max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
         overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
-        telemetry_whatif: bool = True) -> _report.StudyResult | None:
+        telemetry_whatif: bool = True,
+        retry_failed: bool = False) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -198,6 +199,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       anomaly, the worst tensors and a heatmap per recipe. Measured by a separate
       program on the state before the step: the trajectory is the same with it off.
     telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
+    retry_failed: train again the cells recorded as "failed" (from their last
+      checkpoint), e.g. cells an earlier version failed for a full disk.
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -206,6 +209,9 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   Raises:
     ValueError: a bad argument, a task whose loss is not a floating scalar or that
       returns no f32 model, or an `out` holding another study's files.
+    StudyEnvironmentError: the environment failed under a cell (a full disk, an I/O or
+      permission error, memory exhausted): one line naming the cell, the path and the
+      cause; the cell is left unfinished and the same call continues it.
   """
   if not isinstance(task, Task):
     raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
@@ -218,6 +224,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   check_int("telemetry", telemetry, 0)
   if not isinstance(telemetry_whatif, bool):
     raise ValueError(f"telemetry_whatif={telemetry_whatif!r}; accepted: True or False")
+  if not isinstance(retry_failed, bool):
+    raise ValueError(f"retry_failed={retry_failed!r}; accepted: True or False")
   pre = _Preflight(task, cfg)
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
                                  cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides,
@@ -226,14 +234,15 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
       "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps)})
   mine = cfg.grid()[k - 1::n]
-  todo = [c for c in mine if _cells.read_done(out, c) is None]
+  todo = [c for c in mine if _cells.to_run(out, c, retry_failed)]
   bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
              "study" if n == 1 else f"study {k}/{n}", progress)
   with _Compile_cache(out):
     for cell in todo:
       if bar is not None:
         bar.set_postfix_str(cell.name)
-      _cells.run_cell(task, cell, settings, out, on_step=bar.update if bar else None)
+      _cells.run_cell(task, cell, settings, out, on_step=bar.update if bar else None,
+                      retry_failed=retry_failed)
     if bar is not None:
       bar.close()
     if any(_cells.read_done(out, c) is None for c in cfg.grid()):
