@@ -34,6 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "study_tasks")
 RECIPES = ["fp32", "bf16_mixed"]
 TINY = dict(seeds=2, steps=4, eval_every=2, save_every=2, timing_rounds=0, progress=False)
+CLI_ARGS = ["--recipes", "fp32,bf16_mixed", "--seeds", "2", "--steps", "8", "--eval-every",
+            "4", "--save-every", "4", "--timing-rounds", "0", "--no-progress"]
 
 
 @contextlib.contextmanager
@@ -240,6 +242,31 @@ def test_a_failed_write_of_done_json_leaves_the_cell_unfinished(reference, tmp_p
   assert comparable(out) == reference
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_the_cli_ends_a_fault_outside_a_cell_in_one_line(tmp_path, monkeypatch, capsys,
+                                                         debug):
+  from precision.study import _cli
+  out = str(tmp_path / "o")
+  real = _cells.write_atomic
+
+  def write_atomic(path, text):
+    if path.endswith("study.json"):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    return real(path, text)
+
+  monkeypatch.setattr(_cells, "write_atomic", write_atomic)
+  with user_code():
+    code = _cli.main([os.path.join(TASKS, "params_mlp.py:task"), *CLI_ARGS, "--out", out]
+                     + ["--debug"] * debug)
+  err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert code == 1
+  assert err[-1] == (f"error: study stopped, writing the study's files in {out} failed at "
+                     f"{out}/study.json: Read-only file system (EROFS); every finished cell "
+                     "is kept; make that filesystem writable, or use another --out, then "
+                     "rerun the same command to continue")
+  assert (err[0] == "Traceback (most recent call last):") if debug else len(err) == 1, err
+
+
 def test_what_counts_as_the_environment():
   env = _faults.is_environment
   assert env(MemoryError())
@@ -254,10 +281,6 @@ def test_what_counts_as_the_environment():
 
 
 # ------------------------------------------------------------------ the CLI, on a tmpfs
-
-
-CLI_ARGS = ["--recipes", "fp32,bf16_mixed", "--seeds", "2", "--steps", "8", "--eval-every",
-            "4", "--save-every", "4", "--timing-rounds", "0", "--no-progress"]
 
 
 def _cli(out, *extra):

@@ -214,3 +214,37 @@ def test_chmod_000_on_the_newest_step_for_real(two_steps, tmp_path):
   assert p.returncode == 0, p.stderr[-3000:]
   assert len(err) == 1 and "cannot be read: Permission denied (EACCES)" in err[0], err
   assert json.loads(p.stdout.strip().splitlines()[-1])["start_step"] == 2
+
+
+# ------------------------------------------------------------------ experiments.sweep
+
+
+@pytest.mark.parametrize("exc, words", [
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/o/summary.md"),
+     "error: sweep stopped, writing its files in OUT failed at /o/summary.md: No space left "
+     "on device (ENOSPC); every finished cell is kept; fix it, then rerun the same command"),
+    (MemoryError(), "error: sweep stopped: out of host memory (MemoryError)"),
+])
+def test_the_sweep_ends_a_fault_in_one_line(capsys, monkeypatch, exc, words):
+  from experiments import sweep
+  def run_sweep(*a, **k):
+    raise exc
+  monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+  assert sweep.main(["--quick", "--out", "OUT"]) == 1
+  err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert len(err) == 1 and err[0].startswith(words), err
+
+
+def test_the_sweep_passes_the_studys_line_on(capsys, monkeypatch):
+  from experiments import sweep
+  from precision import study
+  from precision.study import _faults
+  fault = _faults.fault("fp32__s0", "saving its checkpoint of step 10", "/o/gpt/cells/x",
+                        OSError(errno.EIO, os.strerror(errno.EIO)))
+  monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: (_ for _ in ()).throw(fault))
+  assert sweep.main(["--quick", "--debug"]) == 1
+  err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert err[0] == "Traceback (most recent call last):"
+  assert err[-1] == f"error: {fault}" and isinstance(fault, study.StudyEnvironmentError)
+  assert "cell fp32__s0: saving its checkpoint of step 10 failed at /o/gpt/cells/x: " \
+         "Input/output error (EIO)" in err[-1]
