@@ -193,7 +193,9 @@ def test_an_exception_of_the_users_code_is_a_failed_cell_listed_in_summary_md(
   assert set(_statuses(out).values()) == {"failed"}
   _run(out, task, retry_failed=True)
   assert comparable(out) == reference
-  assert os.path.exists(os.path.join(out, "cells", "fp32__s0", "done.failed.json"))
+  for kept in ("done.failed.json", "error.failed.txt"):
+    assert os.path.exists(os.path.join(out, "cells", "fp32__s0", kept))
+  assert not os.path.exists(os.path.join(out, "cells", "fp32__s0", "error.txt"))
   with open(os.path.join(out, "summary.md")) as f:
     assert "## Failed cells" not in f.read()
 

@@ -112,8 +112,8 @@ def _errno_in(text: str) -> int | None:
 
 class _OrbaxFailureLog(logging.Filter):
   """Drops the error records Orbax logs (with their tracebacks, through absl) from its
-  worker threads when a write fails: the same failure reaches `save_item` as an
-  exception and is reported once, in one line."""
+  worker threads when a write or read fails: the same failure reaches the calls here as
+  an exception and is reported once, in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     from_orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
@@ -159,7 +159,8 @@ def item_tree(path: str, what: str) -> Any:
   """The saved tree of an item with ArrayMetadata leaves (shape, dtype), nothing read."""
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops(), \
+        _orbax_failures_unlogged():
       meta = handler.metadata(epath.Path(plain))
   except Exception as e:  # pylint: disable=broad-except
     raise _read_error(what, "the item's metadata", e) from None
@@ -172,7 +173,8 @@ def restore_item(path: str, abstract: Any, what: str) -> Any:
   """Restores an item into the structure, dtypes and shardings of `abstract`."""
   handler = ocp.StandardCheckpointHandler()
   try:
-    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops(), \
+        _orbax_failures_unlogged():
       return handler.restore(epath.Path(plain), args=ocp.args.StandardRestore(abstract))
   except Exception as e:  # pylint: disable=broad-except
     raise _read_error(what, "the arrays", e) from None
@@ -188,7 +190,8 @@ def restore_partial(path: str, item: Any, what: str) -> Any:
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops(), \
+        _orbax_failures_unlogged():
       return handler.restore(epath.Path(plain), args=ocp.args.PyTreeRestore(
           item=item, restore_args=restore_args, partial_restore=True))
   except Exception as e:  # pylint: disable=broad-except

@@ -9,8 +9,10 @@ A cell lives in its own folder of the study's output:
                                       monitors, measured on the state before that step
   cells/<arm>__s<seed>/attempts.jsonl one line per start or resume of the cell
   cells/<arm>__s<seed>/done.json      the cell's outcome, written last and atomically
+  cells/<arm>__s<seed>/error.txt      the traceback of a failed cell
 
-A cell with done.json is finished and never run again. Otherwise a run continues from the
+A cell with done.json is finished and never run again (a failed one only with
+`retry_failed`). Otherwise a run continues from the
 newest intact checkpoint: the state is restored bit-exactly, steps.jsonl is cut back to the
 checkpoint's step (a torn last line from a kill is dropped), and the task's batch stream is
 replayed to that position, so the cell ends exactly as an uninterrupted one would.
@@ -191,8 +193,8 @@ def run_cell(task: Task, cell: Cell, settings: CellSettings, out: str,
   """Runs (or continues) one cell to its end and writes its done.json; returns it.
 
   A finished cell is returned as recorded, without running (with `retry_failed`, one
-  recorded as "failed" runs again from its last checkpoint; its old record is kept as
-  done.failed.json). Exceptions of the task or the recipe finish the cell as "failed".
+  recorded as "failed" runs again from its last checkpoint; its old record and traceback
+  are kept as done.failed.json and error.failed.txt). Exceptions of the task or the recipe finish the cell as "failed".
   KeyboardInterrupt, SystemExit and a fault of the environment (`StudyEnvironmentError`:
   the study's own file I/O failing, memory exhausted) propagate: the cell stays
   unfinished and resumes next time.
@@ -204,6 +206,9 @@ def run_cell(task: Task, cell: Cell, settings: CellSettings, out: str,
       return done
     path = os.path.join(folder, "done.json")
     with library_io(cell.name, "setting done.json aside to retry the cell", path):
+      error = os.path.join(folder, "error.txt")
+      if os.path.exists(error):
+        os.replace(error, os.path.join(folder, "error.failed.txt"))
       os.replace(path, os.path.join(folder, "done.failed.json"))
   with library_io(cell.name, "creating the cell's folder", folder):
     os.makedirs(folder, exist_ok=True)

@@ -212,6 +212,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     StudyEnvironmentError: the environment failed under a cell (a full disk, an I/O or
       permission error, memory exhausted): one line naming the cell, the path and the
       cause; the cell is left unfinished and the same call continues it.
+    OSError: a file of the study outside the cells (study.json, the report) could not be
+      written (its path and errno); every finished cell is kept.
   """
   if not isinstance(task, Task):
     raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
