@@ -145,22 +145,32 @@ def test_an_eio_of_a_checkpoint_save_stops_the_run_and_the_rerun_ends_as_uninter
 
 def test_memory_exhausted_in_the_users_code_is_no_result(reference, tmp_path):
   out = str(tmp_path / "o")
-  host, device = Switch(), Switch()
-  oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
-                                   "allocate 1073741824 bytes.")
-  task = faulty_task(batches_fault=(MemoryError(), host), evaluate_fault=(oom, device))
+  host = Switch()
+  task = faulty_task(batches_fault=(MemoryError(), host))
   host.on = True
   with pytest.raises(study.StudyEnvironmentError) as e:
     _run(out, task)
   msg = _one_line(e.value)
   assert "cell fp32__s1" in msg and "out of host memory (MemoryError)" in msg, msg
   assert _statuses(out) == {"fp32__s0": "ok"}
-  host.on, device.on = False, True
+  host.on = False
+  _run(out, task)
+  assert comparable(out) == reference
+
+
+@pytest.mark.slow  # two more runs of the grid
+def test_a_device_out_of_memory_in_the_users_evaluate_is_no_result(reference, tmp_path):
+  out = str(tmp_path / "o")
+  device = Switch()
+  oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                   "allocate 1073741824 bytes.")
+  task = faulty_task(evaluate_fault=(oom, device))
+  device.on = True
   with pytest.raises(study.StudyEnvironmentError) as e:
     _run(out, task)
   msg = _one_line(e.value)
-  assert "cell fp32__s1" in msg and "out of device memory (RESOURCE_EXHAUSTED" in msg, msg
-  assert _statuses(out) == {"fp32__s0": "ok"}
+  assert "cell fp32__s0" in msg and "out of device memory (RESOURCE_EXHAUSTED" in msg, msg
+  assert not _statuses(out)
   device.on = False
   _run(out, task)
   assert comparable(out) == reference
@@ -224,6 +234,7 @@ def test_an_unreadable_cell_folder_stops_the_run_and_is_continued_once_readable(
   assert comparable(out) == reference
 
 
+@pytest.mark.slow  # two more runs of the grid
 def test_a_failed_write_of_done_json_leaves_the_cell_unfinished(reference, tmp_path,
                                                                  monkeypatch):
   out = str(tmp_path / "o")
