@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -120,13 +121,24 @@ class _OrbaxFailureLog(logging.Filter):
     return not (from_orbax and record.levelno >= logging.ERROR)
 
 
+def _orbax_threads() -> list[threading.Thread]:
+  """Orbax's worker threads now alive (they log a failure when they end)."""
+  return [t for t in threading.enumerate()
+          if type(t).__module__.startswith("orbax.") and t is not threading.current_thread()]
+
+
 @contextlib.contextmanager
 def _orbax_failures_unlogged() -> Iterator[None]:
   log, quiet = logging.getLogger("absl"), _OrbaxFailureLog()
+  before = set(_orbax_threads())
   log.addFilter(quiet)
   try:
     yield
   finally:
+    # A failed write's worker threads may still be logging after the call raised: the
+    # filter stays until the threads this call started have ended.
+    for t in set(_orbax_threads()) - before:
+      t.join(timeout=30)
     log.removeFilter(quiet)
 
 
