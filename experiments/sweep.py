@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import sys
 import time
+import traceback
+import warnings
 
 import precision as mp
 
@@ -41,6 +44,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from precision import study  # noqa: E402
+from precision.checkpoint import CheckpointError  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
 from experiments import gates  # noqa: E402
 from experiments import trainlib  # noqa: E402
@@ -211,6 +215,20 @@ def run_sweep(cfg: SweepConfig, out: str, shard=None, report_only=False, progres
   return {"results": results, "markdown": md, "elapsed_s": elapsed}
 
 
+def _fault_line(e: BaseException, out: str) -> str:
+  """One line for a fault of the environment: the study's own (it names the cell, the
+  path and the cause), or an OSError of the sweep's files (its errno and path)."""
+  if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+    code = errno.errorcode.get(e.errno, type(e).__name__) if e.errno else type(e).__name__
+    where = f" at {e.filename}" if e.filename else ""
+    e = (f"sweep stopped, writing its files in {out} failed{where}: {e.strerror or e} "
+         f"({code}); every finished cell is kept; fix it, then rerun the same command")
+  elif isinstance(e, MemoryError):
+    e = ("sweep stopped: out of host memory (MemoryError); every finished cell is kept; "
+         "free memory, then rerun the same command")
+  return " ".join(str(e).split())
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,6 +244,8 @@ def main(argv=None) -> int:
   ap.add_argument("--report-only", action="store_true")
   ap.add_argument("--quick", action="store_true", help="tiny models, 3 recipes")
   ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--debug", action="store_true",
+                  help="print the traceback of an error, not only its line")
   args = ap.parse_args(argv)
   overrides = {k: v for k, v in dict(seeds=args.seeds, steps=args.steps, model=args.model,
                                      margin=args.margin).items() if v is not None}
@@ -237,12 +257,25 @@ def main(argv=None) -> int:
     if bad:
       ap.error(f"--tasks {bad}; accepted: {', '.join(TASKS)}")
   cfg = SweepConfig.quick(**overrides) if args.quick else SweepConfig(**overrides)
+  # A compilation-cache entry that cannot be written is only a slower compile; a full
+  # disk is reported by the study's own writes, in one line.
+  for verb in ("writing", "reading"):
+    warnings.filterwarnings("ignore", message=f"Error {verb} persistent compilation cache")
   try:
     result = run_sweep(cfg, args.out, shard=args.shard, report_only=args.report_only,
                        progress=not args.no_progress)
   except ValueError as e:
+    if args.debug:
+      traceback.print_exc()
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2
+  except (study.StudyEnvironmentError, OSError, MemoryError, CheckpointError) as e:
+    # A fault of the machine (a full disk, permissions, memory): one line, and the same
+    # command continues once it is fixed.
+    if args.debug:
+      traceback.print_exc()
+    print(f"error: {_fault_line(e, args.out)}", file=sys.stderr)
+    return 1
   if result["markdown"] is None:
     print(f"slice done in {result['elapsed_s'] / 60:.1f} min. Once every slice is done: "
           f"python -m experiments.sweep --out {args.out} --report-only"

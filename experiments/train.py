@@ -25,9 +25,11 @@ Exit status: 0 when the run finished with a finite loss and validation BPB; 2 fo
 command line (every flag, and the writability of --ckpt-dir and --out, are checked before
 any work; one line on stderr); 1 when the run cannot start or continue (checkpoint
 directory locked, owned by another run, nothing to resume, no intact checkpoint, changed
-hyperparameters, a checkpoint write that failed) or
+hyperparameters, a checkpoint or --out write that failed, memory exhausted) or
 diverged (--max-nonfinite-steps consecutive non-finite steps, or a non-finite final
-result): one "error:" line on stderr, and for a divergence the summary on stdout.
+result): one "error:" line on stderr (what, where, the errno, what to do; the traceback
+only with --debug), and for a divergence the summary on stdout. An unreadable newest
+checkpoint step is passed over with a warning line and the newest readable one resumed.
 The logic lives in experiments/trainlib.py (`train(TrainConfig(...))`).
 """
 
@@ -36,10 +38,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import errno
 import math
 import os
 import sys
 import tempfile
+import traceback
 import warnings
 
 import precision as mp
@@ -171,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "non-finite gradients")
   ap.add_argument("--out", default=None, help="JSONL file of per-step metrics")
   ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--debug", action="store_true",
+                  help="print the traceback of an error, not only its line")
   return ap
 
 
@@ -223,7 +229,11 @@ def _json_safe(x):
   return x
 
 
-def _fail(code: int, message: str):
+def _fail(code: int, message: str, debug: bool = False):
+  """Exits with one error line (after the traceback of the error being handled, with
+  --debug)."""
+  if debug:
+    traceback.print_exc()
   print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
   sys.exit(code)
 
@@ -246,21 +256,52 @@ def _one_line_warnings():
     warnings.formatwarning = plain
 
 
+def _environment_line(e: BaseException, cfg: trainlib.TrainConfig) -> str:
+  """One line for a fault of the machine (disk, permissions, memory) met by the run."""
+  resume = ("then rerun with --resume-or-start to continue from the last checkpoint"
+            if cfg.ckpt_dir else "then rerun")
+  if isinstance(e, OSError):
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    where = f" at {e.filename}" if e.filename else ""
+    what = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there",
+            errno.EACCES: "give this user permission there",
+            errno.EPERM: "give this user permission there",
+            errno.EROFS: "make that filesystem writable"}.get(e.errno, "fix it")
+    return f"{e.strerror or e} ({code or type(e).__name__}){where}; {what}, {resume}"
+  if isinstance(e, MemoryError):
+    return f"out of host memory (MemoryError); free memory or use a smaller --batch, {resume}"
+  first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  return f"out of device memory ({first[:200]}); use a smaller --batch or --model, {resume}"
+
+
+def _is_device_oom(e: BaseException) -> bool:
+  import jax  # pylint: disable=g-import-not-at-top
+  return (isinstance(e, jax.errors.JaxRuntimeError)
+          and str(e).lstrip().startswith("RESOURCE_EXHAUSTED"))
+
+
 def main(argv=None) -> dict:
   """Runs the CLI; returns the summary (exits non-zero as the module docstring says)."""
   cfg = parse_args(argv)
+  debug = build_parser().parse_args(argv).debug
   try:
     with _one_line_warnings():
       summary = trainlib.train(cfg)
   except trainlib.ConfigError as e:
-    _fail(2, str(e))
+    _fail(2, str(e), debug)
   except trainlib.DivergedError as e:
     e.summary.pop("history", None)
     print(json.dumps(_json_safe(e.summary), allow_nan=False), flush=True)
-    _fail(1, f"the run diverged: {e}")
+    _fail(1, f"the run diverged: {e}", debug)
   except (trainlib.TrainingError, ckpt_lib.CheckpointError) as e:
     # The library's keyword is the CLI's flag here.
-    _fail(1, str(e).replace("pass allow_unverified=True", "pass --allow-unverified"))
+    _fail(1, str(e).replace("pass allow_unverified=True", "pass --allow-unverified"), debug)
+  except (OSError, MemoryError) as e:
+    _fail(1, _environment_line(e, cfg), debug)
+  except Exception as e:  # pylint: disable=broad-except  (re-raised unless out of memory)
+    if not _is_device_oom(e):
+      raise
+    _fail(1, _environment_line(e, cfg), debug)
   summary.pop("history")
   print(json.dumps(_json_safe(summary), allow_nan=False), flush=True)
   if summary["status"] != "ok":

@@ -16,6 +16,7 @@ checkpoint + restore + N/2 steps give bit-identical states (tests/test_train.py)
 from __future__ import annotations
 
 import dataclasses
+import errno as errno_lib
 import json
 import math
 import numbers
@@ -202,6 +203,24 @@ class NothingToResumeError(TrainingError):
 class ConfigChangedError(TrainingError):
   """A resume whose hyperparameters differ from the checkpoint's, not allowed by
   `allow_change` (or `convert`)."""
+
+
+class LogWriteError(TrainingError):
+  """The --out JSONL log could not be written (a full disk, a read-only filesystem, no
+  permission): one line with its path and errno (`errno`, `filename`); the checkpoints
+  are not touched by it."""
+
+  def __init__(self, message: str, cause: OSError, filename: str):
+    super().__init__(message)
+    self.errno, self.strerror, self.filename = cause.errno, cause.strerror, filename
+
+
+def _log_error(path: str, what: str, e: OSError, ckpt) -> LogWriteError:
+  code = errno_lib.errorcode.get(e.errno, type(e).__name__) if e.errno else type(e).__name__
+  then = (f"the checkpoints in {ckpt.directory} are intact: fix it, then rerun with "
+          "--resume-or-start" if ckpt is not None else "fix it, then rerun")
+  return LogWriteError(f"--out {path}: {what} failed: {e.strerror or e} ({code}); {then}",
+                       e, path)
 
 
 class TrainWarning(UserWarning):
@@ -545,9 +564,14 @@ def _train(cfg: TrainConfig, corpus, ckpt) -> dict[str, Any]:
   memory = mp.study.compiled_memory(compiled)
   last = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
   history, val_curve, times = [], [], []
-  if cfg.out and start > 0:
-    _truncate_log(cfg.out, start)  # drop records of steps after the restored checkpoint
-  out = open(cfg.out, "a" if start > 0 else "w") if cfg.out else None
+  out = None
+  if cfg.out:
+    try:
+      if start > 0:
+        _truncate_log(cfg.out, start)  # drop records of steps after the restored checkpoint
+      out = open(cfg.out, "a" if start > 0 else "w")
+    except OSError as e:
+      raise _log_error(cfg.out, "opening it", e, ckpt) from None
   bar = None
   if cfg.progress:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
@@ -556,15 +580,19 @@ def _train(cfg: TrainConfig, corpus, ckpt) -> dict[str, Any]:
   def emit(rec):
     history.append(rec)
     if out is not None:
-      out.write(json.dumps(rec) + "\n")
-      out.flush()
+      try:
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+      except OSError as e:
+        raise _log_error(cfg.out, f"writing the record of step {rec['step']}", e,
+                         ckpt) from None
 
-  if start == 0 and cfg.eval_every:
-    val_curve.append([0, evaluate(run, state, val_tokens)])
-    emit({"step": 0, "val_bpb": val_curve[-1][1]})
   metrics = None
   diverged = None
   try:
+    if start == 0 and cfg.eval_every:
+      val_curve.append([0, evaluate(run, state, val_tokens)])
+      emit({"step": 0, "val_bpb": val_curve[-1][1]})
     for step in range(start, last):
       tokens, sampler = data_lib.sample_batch(corpus.train, sampler, cfg.batch, run.seq)
       t = time.perf_counter()
@@ -594,11 +622,22 @@ def _train(cfg: TrainConfig, corpus, ckpt) -> dict[str, Any]:
                   seed=cfg.seed, data=sampler,
                   extra={"train_config": {k: v for k, v in dataclasses.asdict(cfg).items()
                                           if k != "model"}})
-  finally:
+  except BaseException:
     if bar is not None:
       bar.close()
     if out is not None:
+      try:
+        out.close()
+      except OSError:
+        pass  # the failure already propagating is the one reported (a full disk fails both)
+    raise
+  if bar is not None:
+    bar.close()
+  if out is not None:
+    try:
       out.close()
+    except OSError as e:
+      raise _log_error(cfg.out, "closing it", e, ckpt) from None
   if not val_curve and diverged is None:
     val_curve.append([max(start, last), evaluate(run, state, val_tokens)])
   timed = times[1:] or times

@@ -310,34 +310,51 @@ class Checkpointer:
     except NotADirectoryError:
       raise NoCheckpointError(f"No complete checkpoint in {self.directory}: it is a file, "
                               "not a directory") from None
+    except OSError as e:
+      raise CheckpointError(f"Checkpoint directory {self.directory} cannot be read: "
+                            f"{_oserror(e)}") from None
     for name in names:
-      path = os.path.join(self.directory, name)
-      if _PARTIAL.fullmatch(name):
-        partial.append(name)
-        continue
-      if not name.isascii() or not name.isdigit():
-        continue  # not step-like: the run record, the lock, the user's own files
-      if not _STEP_NAME.fullmatch(name):
-        bad.append((name, "not a step name precision writes"))
-      elif os.path.islink(path):
-        bad.append((name, "a symbolic link; step folders are never links, and never "
-                          "followed"))
-      elif not os.path.isdir(path):
-        if os.path.lexists(path):  # else deleted by a writer's rotation since listdir
-          bad.append((name, "a file, not a step folder"))
-      elif _integrity.has_manifest(path):
-        steps[int(name)] = True
-      elif _is_legacy(path):
-        steps[int(name)] = False
-      else:
-        try:
-          empty = not os.listdir(path)
-        except FileNotFoundError:
-          continue  # deleted by a writer's rotation while this scan ran
-        bad.append((name, "empty") if empty else
-                   (name, f"no {_integrity.MANIFEST}: deleted, or not written by "
-                          "precision.checkpoint"))
+      try:
+        self._scan_one(name, steps, bad, partial)
+      except OSError as e:
+        # An unreadable step folder (no permission, an I/O error) is damage: named,
+        # passed over, and the newest readable step restored.
+        bad.append((name, f"cannot be read: {_oserror(e)}"))
     return _Scan(steps, bad, partial)
+
+  def _scan_one(self, name: str, steps: dict, bad: list, partial: list) -> None:
+    """Sorts the directory entry `name` into `steps`, `bad` or `partial` (`_scan`)."""
+    path = os.path.join(self.directory, name)
+    if _PARTIAL.fullmatch(name):
+      partial.append(name)
+      return
+    if not name.isascii() or not name.isdigit():
+      return  # not step-like: the run record, the lock, the user's own files
+    if not _STEP_NAME.fullmatch(name):
+      bad.append((name, "not a step name precision writes"))
+    elif os.path.islink(path):
+      bad.append((name, "a symbolic link; step folders are never links, and never "
+                        "followed"))
+    elif not os.path.isdir(path):
+      if os.path.lexists(path):  # else deleted by a writer's rotation since listdir
+        bad.append((name, "a file, not a step folder"))
+    elif _integrity.has_manifest(path):
+      steps[int(name)] = True
+    elif _is_legacy(path):
+      steps[int(name)] = False
+    else:
+      try:
+        entries = os.listdir(path)
+      except FileNotFoundError:
+        return  # deleted by a writer's rotation while this scan ran
+      if _integrity.MANIFEST in entries:
+        # Listed but not found: the folder may be listed, not entered (mode r--); the
+        # stat's PermissionError says so (an unreadable step, passed over as damage).
+        os.lstat(os.path.join(path, _integrity.MANIFEST))
+      empty = not entries
+      bad.append((name, "empty") if empty else
+                 (name, f"no {_integrity.MANIFEST}: deleted, or not written by "
+                        "precision.checkpoint"))
 
   def steps(self) -> list[int]:
     """Steps of the complete checkpoints on disk, ascending (their data not yet verified:

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import tempfile
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -109,8 +111,44 @@ def _errno_in(text: str) -> int | None:
   return None
 
 
+class _OrbaxFailureLog(logging.Filter):
+  """Drops the error records Orbax logs (with their tracebacks, through absl) from its
+  worker threads when a write or read fails: the same failure reaches the calls here as
+  an exception and is reported once, in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    from_orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+    return not (from_orbax and record.levelno >= logging.ERROR)
+
+
+def _orbax_threads() -> list[threading.Thread]:
+  """Orbax's worker threads now alive (they log a failure when they end)."""
+  return [t for t in threading.enumerate()
+          if type(t).__module__.startswith("orbax.") and t is not threading.current_thread()]
+
+
+@contextlib.contextmanager
+def _orbax_failures_unlogged() -> Iterator[None]:
+  log, quiet = logging.getLogger("absl"), _OrbaxFailureLog()
+  before = set(_orbax_threads())
+  log.addFilter(quiet)
+  try:
+    yield
+  finally:
+    # A failed write's worker threads may still be logging after the call raised: the
+    # filter stays until the threads this call started have ended.
+    for t in set(_orbax_threads()) - before:
+      t.join(timeout=30)
+    log.removeFilter(quiet)
+
+
 def save_item(path: str, tree: Any) -> None:
   """Writes `tree` as an Orbax StandardCheckpointHandler item at `path` (must not exist)."""
+  with _orbax_failures_unlogged():
+    _save_item(path, tree)
+
+
+def _save_item(path: str, tree: Any) -> None:
   ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
   try:
     with _plain(path, exists=False) as plain, _compat.orbax_drained_event_loops():
@@ -133,7 +171,8 @@ def item_tree(path: str, what: str) -> Any:
   """The saved tree of an item with ArrayMetadata leaves (shape, dtype), nothing read."""
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops(), \
+        _orbax_failures_unlogged():
       meta = handler.metadata(epath.Path(plain))
   except Exception as e:  # pylint: disable=broad-except
     raise _read_error(what, "the item's metadata", e) from None
@@ -146,7 +185,8 @@ def restore_item(path: str, abstract: Any, what: str) -> Any:
   """Restores an item into the structure, dtypes and shardings of `abstract`."""
   handler = ocp.StandardCheckpointHandler()
   try:
-    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops(), \
+        _orbax_failures_unlogged():
       return handler.restore(epath.Path(plain), args=ocp.args.StandardRestore(abstract))
   except Exception as e:  # pylint: disable=broad-except
     raise _read_error(what, "the arrays", e) from None
@@ -162,7 +202,8 @@ def restore_partial(path: str, item: Any, what: str) -> Any:
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops():
+    with _plain(path, exists=True) as plain, _compat.orbax_drained_event_loops(), \
+        _orbax_failures_unlogged():
       return handler.restore(epath.Path(plain), args=ocp.args.PyTreeRestore(
           item=item, restore_args=restore_args, partial_restore=True))
   except Exception as e:  # pylint: disable=broad-except

@@ -198,7 +198,35 @@ class DataParallel:
 
   def step(self, state: TrainState, batch):
     """One training step on the global `batch`; see the class docstring."""
-    return self._step(self._check_state(state), self._global_batch(batch))
+    state, batch = self._check_state(state), self._global_batch(batch)
+    try:
+      return self._step(state, batch)
+    except ValueError as e:
+      # Raised while tracing (nothing donated yet): say so if the state is another stage's.
+      problem = self._stage_problem(state)
+      if problem is None:
+        raise
+      raise ValueError(problem) from e
+
+  def _stage_problem(self, state: TrainState) -> str | None:
+    """Why `state` does not fit this DataParallel when it was made by one of another ZeRO
+    stage (read from which of its arrays are sharded), else None."""
+    def sharded(tree):
+      return any(isinstance(getattr(x, "sharding", None), NamedSharding)
+                 and any(a is not None for a in x.sharding.spec) for x in jax.tree.leaves(tree))
+    made = 3 if sharded(state.params) else 1 if sharded(state.opt_state) else 0
+    mine = min(self.zero_stage, 1) if self.zero_stage < 3 else 3
+    if made == mine:
+      return None
+    words = {0: ("ZeRO stage 0", "nothing sharded"),
+             1: ("ZeRO stage 1 or 2", "optimizer state sharded"),
+             3: ("ZeRO stage 3", "params and optimizer state sharded")}
+    hint = (" (or move it through the checkpoint form, which stages 1, 2 and 3 share: "
+            "state_from_checkpoint(other.state_for_checkpoint(state)))"
+            if made and mine else "")
+    return (f"state was made by a {words[made][0]} data_parallel ({words[made][1]}) and "
+            f"given to one of zero_stage={self.zero_stage} ({words[mine][1]}); accepted: "
+            f"a state of a data_parallel of zero_stage={self.zero_stage}{hint}")
 
   def _check_state(self, state) -> TrainState:
     if not isinstance(state, TrainState) or state.layout is None:
@@ -373,7 +401,14 @@ class DataParallel:
   # ---- reports ---------------------------------------------------------------------
   def compile(self, state: TrainState, batch):
     """The compiled step executable for these argument shapes."""
-    return self._step.lower(self._check_state(state), self._global_batch(batch)).compile()
+    state = self._check_state(state)
+    try:
+      return self._step.lower(state, self._global_batch(batch)).compile()
+    except ValueError as e:
+      problem = self._stage_problem(state)
+      if problem is None:
+        raise
+      raise ValueError(problem) from e
 
   def memory_report(self, state: TrainState, batch) -> _report.MemoryReport:
     """Per-device memory of one step (see `precision.parallel.MemoryReport`)."""

@@ -36,6 +36,7 @@ from precision.study._report import comparable
 from precision.study._config import StudyConfig
 from precision.study._config import make_config
 from precision.study._config import parse_shard
+from precision.study._faults import StudyEnvironmentError
 from precision.study._run import report_only
 from precision.study._run import run
 from precision.study._task import HELDOUT_SEED
@@ -47,6 +48,7 @@ __all__ = [
     "Judging",
     "LinenModel",
     "StudyConfig",
+    "StudyEnvironmentError",
     "StudyResult",
     "Task",
     "comparable",

@@ -9,14 +9,19 @@ A cell lives in its own folder of the study's output:
                                       monitors, measured on the state before that step
   cells/<arm>__s<seed>/attempts.jsonl one line per start or resume of the cell
   cells/<arm>__s<seed>/done.json      the cell's outcome, written last and atomically
+  cells/<arm>__s<seed>/error.txt      the traceback of a failed cell
 
-A cell with done.json is finished and never run again. Otherwise a run continues from the
+A cell with done.json is finished and never run again (a failed one only with
+`retry_failed`). Otherwise a run continues from the
 newest intact checkpoint: the state is restored bit-exactly, steps.jsonl is cut back to the
 checkpoint's step (a torn last line from a kill is dropped), and the task's batch stream is
 replayed to that position, so the cell ends exactly as an uninterrupted one would.
-A cell that raises is finished as "failed" with the error; one whose gradients stay
-non-finite for `max_nonfinite` consecutive steps, or whose final evaluation is not
-finite, as "diverged". Neither stops the study.
+A cell whose own code raises (the task's init, loss, batches or evaluate) is finished as
+"failed" with the error; one whose gradients stay non-finite for `max_nonfinite`
+consecutive steps, or whose final evaluation is not finite, as "diverged". Neither stops
+the study. A fault of the environment (a full disk, an I/O or permission error of the
+study's own files, memory exhausted) is no result: it stops the study with one
+`StudyEnvironmentError` and leaves the cell unfinished (see `_faults`).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ import numpy as np
 
 from precision import checkpoint as ckpt_lib
 from precision._recipe import Recipe
+from precision.study import _faults
 from precision.study import _models
+from precision.study._faults import library_io
 from precision.study._task import Task, batch_stream
 
 STATUSES = ("ok", "diverged", "failed")
@@ -78,13 +85,24 @@ def safe_name(name: str) -> str:
 
 
 def write_atomic(path: str, text: str) -> None:
-  """Writes `text` to `path` so that a reader (or a kill) never sees half a file."""
+  """Writes `text` to `path` so that a reader (or a kill) never sees half a file.
+
+  A write that fails (a full disk) removes its temporary file and raises the OSError
+  with `path` as its filename; `path` keeps its previous content.
+  """
   tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except OSError as e:
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise OSError(e.errno, e.strerror, path) from e
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -110,13 +128,27 @@ def cell_dir(out: str, cell: Cell) -> str:
 
 
 def read_done(out: str, cell: Cell) -> dict | None:
-  """The finished cell's record, or None while it is not finished."""
+  """The finished cell's record, or None while it is not finished.
+
+  Raises:
+    StudyEnvironmentError when the cell's folder or its done.json cannot be read (a
+    permission, an I/O error): not knowing whether a cell is finished stops the study.
+  """
   path = os.path.join(cell_dir(out, cell), "done.json")
   try:
     with open(path) as f:
       return json.load(f)
-  except (FileNotFoundError, json.JSONDecodeError):
+  except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
     return None
+  except Exception as e:  # pylint: disable=broad-except  (PermissionError, EIO, ...)
+    raise _faults.fault(cell.name, "reading done.json", path, e) from e
+
+
+def to_run(out: str, cell: Cell, retry_failed: bool = False) -> bool:
+  """Whether a run trains `cell`: it is not finished, or (with `retry_failed`) it was
+  finished as "failed" (by an earlier version, a fault of the environment counted so)."""
+  done = read_done(out, cell)
+  return done is None or (retry_failed and done.get("status") == "failed")
 
 
 def read_steps(out: str, cell: Cell) -> list[dict]:
@@ -156,28 +188,47 @@ def _truncate(path: str, last_step: int) -> None:
 
 
 def run_cell(task: Task, cell: Cell, settings: CellSettings, out: str,
-             on_step: Callable[[int], None] | None = None) -> dict:
+             on_step: Callable[[int], None] | None = None,
+             retry_failed: bool = False) -> dict:
   """Runs (or continues) one cell to its end and writes its done.json; returns it.
 
-  A finished cell is returned as recorded, without running. Exceptions of the task or
-  the recipe finish the cell as "failed"; KeyboardInterrupt and SystemExit propagate
-  (the cell stays unfinished and resumes next time).
+  A finished cell is returned as recorded, without running (with `retry_failed`, one
+  recorded as "failed" runs again from its last checkpoint; its old record and traceback
+  are kept as done.failed.json and error.failed.txt). Exceptions of the task or the recipe finish the cell as "failed".
+  KeyboardInterrupt, SystemExit and a fault of the environment (`StudyEnvironmentError`:
+  the study's own file I/O failing, memory exhausted) propagate: the cell stays
+  unfinished and resumes next time.
   """
+  folder = cell_dir(out, cell)
   done = read_done(out, cell)
   if done is not None:
-    return done
-  folder = cell_dir(out, cell)
-  os.makedirs(folder, exist_ok=True)
+    if not (retry_failed and done.get("status") == "failed"):
+      return done
+    path = os.path.join(folder, "done.json")
+    with library_io(cell.name, "setting done.json aside to retry the cell", path):
+      error = os.path.join(folder, "error.txt")
+      if os.path.exists(error):
+        os.replace(error, os.path.join(folder, "error.failed.txt"))
+      os.replace(path, os.path.join(folder, "done.failed.json"))
+  with library_io(cell.name, "creating the cell's folder", folder):
+    os.makedirs(folder, exist_ok=True)
   try:
     record = _train(task, cell, settings, folder, on_step)
+  except _faults.StudyEnvironmentError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
+    if _faults.is_environment(e):
+      raise _faults.fault(cell.name, "training", None, e) from e
     # A failing recipe is a result of the study, not its end.
     msg = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-    with open(os.path.join(folder, "error.txt"), "w") as f:
-      f.write(traceback.format_exc())
+    path = os.path.join(folder, "error.txt")
+    with library_io(cell.name, "writing error.txt", path):
+      write_atomic(path, traceback.format_exc())
     record = {"arm": cell.arm, "recipe": cell.recipe.name, "index": cell.index,
               "seed": cell.seed, "status": "failed", "error": msg}
-  write_atomic(os.path.join(folder, "done.json"), json.dumps(record, indent=1))
+  path = os.path.join(folder, "done.json")
+  with library_io(cell.name, "writing done.json", path):
+    write_atomic(path, json.dumps(record, indent=1))
   return record
 
 
@@ -189,39 +240,48 @@ def _attempt(folder: str, event: str, step: int) -> None:
 
 def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
            on_step: Callable[[int], None] | None) -> dict:
+  # The study's own file operations run under `io` (their failure stops the study, see
+  # `_faults`); everything else here is the task's code and the recipe's.
+  io = lambda what, path: library_io(cell.name, what, path)
   prog = _models.build(task, cell.recipe, cell.seed, settings.fp8_keeps,
                        dict(settings.overrides))
   steps_path = os.path.join(folder, "steps.jsonl")
-  ckpt = ckpt_lib.Checkpointer(os.path.join(folder, "ckpt"), keep=2)
+  ckpt_dir = os.path.join(folder, "ckpt")
+  ckpt = ckpt_lib.Checkpointer(ckpt_dir, keep=2)
   try:
     state, start = prog.state, 0
-    if ckpt.steps():
-      restored = ckpt.restore(prog.state, recipe=prog.recipe)
-      state, start = restored.state, restored.step
-    # Records after the restored step are redone; a fresh start redoes them all.
-    _truncate(steps_path, start if start else -1)
+    with io("restoring its checkpoint", ckpt_dir):
+      if ckpt.steps():
+        restored = ckpt.restore(prog.state, recipe=prog.recipe)
+        state, start = restored.state, restored.step
     tele_path = os.path.join(folder, "telemetry.jsonl")
-    if settings.telemetry_every:
-      # A record of step s is taken before step s + 1 runs: from `start` on, redone.
-      _truncate(tele_path, start - 1)
-    _attempt(folder, "resume" if start else "start", start)
+    with io("cutting its logs back to the checkpoint", folder):
+      # Records after the restored step are redone; a fresh start redoes them all.
+      _truncate(steps_path, start if start else -1)
+      if settings.telemetry_every:
+        # A record of step s is taken before step s + 1 runs: from `start` on, redone.
+        _truncate(tele_path, start - 1)
+      _attempt(folder, "resume" if start else "start", start)
     batches = batch_stream(task, cell.seed, skip=start)
     first = _next_batch(batches, task, cell, start)
     compiled = prog.step.lower(state, first, jnp.int32(start)).compile()
     memory = compiled_memory(compiled)
-    records = read_jsonl(steps_path)
-    log = open(steps_path, "a")
+    with io("opening steps.jsonl", steps_path):
+      records = read_jsonl(steps_path)
+      log = open(steps_path, "a")
     try:
       if start == 0 and settings.eval_every:
         records.append({"step": 0, "eval": prog.evaluate(state)})
-        log.write(json.dumps(records[-1]) + "\n")
+        with io("writing steps.jsonl", steps_path):
+          log.write(json.dumps(records[-1]) + "\n")
       batch, stopped = first, None
       for step in range(start, settings.steps):
         if batch is None:
           batch = _next_batch(batches, task, cell, step)
         if settings.telemetry_every and step % settings.telemetry_every == 0:
-          with open(tele_path, "a") as tf:
-            tf.write(_telemetry_line(prog, state, batch, step, settings.telemetry_whatif))
+          line = _telemetry_line(prog, state, batch, step, settings.telemetry_whatif)
+          with io("writing telemetry.jsonl", tele_path), open(tele_path, "a") as tf:
+            tf.write(line)
         t0 = time.perf_counter()
         state, metrics = compiled(state, batch, jnp.int32(step))
         metrics = {k: _host(metrics[k]) for k in _STEP_FIELDS + ("consecutive_nonfinite",)}
@@ -236,20 +296,37 @@ def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
             settings.eval_every and done % settings.eval_every == 0):
           rec["eval"] = prog.evaluate(state)
         records.append(rec)
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        with io("writing steps.jsonl", steps_path):
+          log.write(json.dumps(rec) + "\n")
+          log.flush()
         if on_step is not None:
           on_step(1)
         if stopped:
           break
         if done < settings.steps and done % settings.save_every == 0:
-          ckpt.save(done, state, recipe=prog.recipe, seed=cell.seed,
-                    extra={"arm": cell.arm, "index": cell.index})
-    finally:
+          with io(f"saving its checkpoint of step {done}", ckpt_dir):
+            ckpt.save(done, state, recipe=prog.recipe, seed=cell.seed,
+                      extra={"arm": cell.arm, "index": cell.index})
+    except BaseException:
+      _close_after_failure(log.close)
+      raise
+    with io("closing steps.jsonl", steps_path):
       log.close()
-  finally:
+  except BaseException:
+    _close_after_failure(ckpt.close)
+    raise
+  with io("releasing its checkpoint lock", ckpt_dir):
     ckpt.close()
   return _summary(cell, prog, records, state, memory, stopped)
+
+
+def _close_after_failure(close: Callable[[], None]) -> None:
+  """Closes a file or checkpointer while an exception propagates: that first failure is
+  the one reported, not a second one of the close (a full disk fails both)."""
+  try:
+    close()
+  except Exception:  # pylint: disable=broad-except
+    pass
 
 
 def read_telemetry(out: str, cell: Cell) -> list[dict]:

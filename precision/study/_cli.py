@@ -10,7 +10,11 @@ the same command after an interruption continues every unfinished cell bit-exact
 never reruns a finished one. In a Slurm array job the slice is read from
 SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT when --shard is not given. Faithful
 rounding is on (bf16/f16 values are rounded as their dtypes say; off with
---no-faithful-rounding). Bad input ends with a one-line error and exit status 2.
+--no-faithful-rounding). Bad input ends with a one-line error and exit status 2. A fault
+of the environment (a full disk, an I/O or permission error, memory exhausted) ends with
+one line naming the cell, the path and the cause, and exit status 1: nothing is recorded
+as the model's result, and the same command continues once the cause is fixed
+(--debug adds the traceback). --retry-failed trains again the cells recorded as failed.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
+import warnings
 
 from precision import _numerics
+from precision.checkpoint import CheckpointError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--telemetry", type=int, default=0, metavar="N",
                   help="numerics telemetry every N steps (0: off): per-tensor statistics "
                        "of every GEMM, monitors, first anomaly and heatmaps in the report")
+  ap.add_argument("--retry-failed", action="store_true",
+                  help="train again the cells recorded as failed (from their last "
+                       "checkpoint), e.g. failed for a full disk by an earlier version")
+  ap.add_argument("--debug", action="store_true",
+                  help="print the traceback of an error, not only its line")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
   return ap
@@ -78,6 +90,11 @@ def main(argv=None) -> int:
   if not args.no_faithful_rounding:
     _numerics.enable_faithful_rounding()  # before the task's module can start JAX's backend
   from precision import study  # pylint: disable=g-import-not-at-top
+  from precision.study import _faults  # pylint: disable=g-import-not-at-top
+  # A cache entry that cannot be written (or was cut by a full disk) is only a slower
+  # compile; a full disk is reported by the study's own writes, in one line.
+  for verb in ("writing", "reading"):
+    warnings.filterwarnings("ignore", message=f"Error {verb} persistent compilation cache")
   try:
     overrides = {}
     for item in args.override:
@@ -99,11 +116,21 @@ def main(argv=None) -> int:
           target=args.target, alpha=args.alpha, test=args.test, aa=args.aa,
           control=args.control, growth_interval=args.growth_interval,
           timing_rounds=args.timing_rounds, progress=not args.no_progress,
-          telemetry=args.telemetry,
+          telemetry=args.telemetry, retry_failed=args.retry_failed,
           overrides=overrides or None, max_seeds=args.max_seeds, floor=args.floor)
   except ValueError as e:
+    if args.debug:
+      traceback.print_exc()
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2
+  except (study.StudyEnvironmentError, OSError, MemoryError, CheckpointError) as e:
+    if args.debug:
+      traceback.print_exc()
+    if not isinstance(e, study.StudyEnvironmentError):
+      # Outside a cell: the study's folder, its report or a costs file.
+      e = _faults.fault(None, f"writing the study's files in {args.out}", None, e)
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 1
   if result is None:
     print(f"slice done: {args.out}. Once every slice is done: python -m precision.study "
           f"{args.task} --out {args.out} --report-only")

@@ -456,6 +456,7 @@ def write(out: str, cfg, judging: Judging, task_name: str) -> StudyResult:
                       json.dumps(summary, indent=1, default=_json_default))
   md = markdown(rows, cfg, judging, study, costs, task_name)
   md += "".join(line + "\n" for line in _telemetry_report.markdown(telemetry))
+  md += failed_cells_markdown(out, cfg)
   _cells.write_atomic(os.path.join(out, "summary.md"), md)
   result = StudyResult(out, rows, summary, md, runs, cfg.control)
   result.write_plots()
@@ -465,6 +466,22 @@ def write(out: str, cfg, judging: Judging, task_name: str) -> StudyResult:
     except ImportError:
       pass  # matplotlib is optional
   return result
+
+
+def failed_cells_markdown(out: str, cfg) -> str:
+  """summary.md's list of the cells finished as "failed", each with its error ("" when
+  none failed)."""
+  failed = [(c, d) for c in cfg.grid()
+            for d in [_cells.read_done(out, c)] if d and d["status"] == "failed"]
+  if not failed:
+    return ""
+  lines = ["", "## Failed cells", "",
+           "Each raised an error in the task's code or under the recipe (its traceback: "
+           "cells/<cell>/error.txt). A cell that an earlier version recorded as failed for "
+           "a fault of its environment (a full disk) trains again with `--retry-failed`.", ""]
+  lines += [f"- `{c.name}` (recipe {c.recipe.name}, seed {c.seed}): {d.get('error')}"
+            for c, d in failed]
+  return "\n".join(lines) + "\n"
 
 
 def _json_default(x):

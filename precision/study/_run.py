@@ -162,7 +162,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
         overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
         telemetry_whatif: bool = True, max_seeds: int | None = None,
-        floor: bool | None = None) -> _report.StudyResult | None:
+        floor: bool | None = None,
+        retry_failed: bool = False) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -204,6 +205,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       anomaly, the worst tensors and a heatmap per recipe. Measured by a separate
       program on the state before the step: the trajectory is the same with it off.
     telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
+    retry_failed: train again the cells recorded as "failed" (from their last
+      checkpoint), e.g. cells an earlier version failed for a full disk.
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -212,6 +215,11 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   Raises:
     ValueError: a bad argument, a task whose loss is not a floating scalar or that
       returns no f32 model, or an `out` holding another study's files.
+    StudyEnvironmentError: the environment failed under a cell (a full disk, an I/O or
+      permission error, memory exhausted): one line naming the cell, the path and the
+      cause; the cell is left unfinished and the same call continues it.
+    OSError: a file of the study outside the cells (study.json, the report) could not be
+      written (its path and errno); every finished cell is kept.
   """
   if not isinstance(task, Task):
     raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
@@ -231,6 +239,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   check_int("telemetry", telemetry, 0)
   if not isinstance(telemetry_whatif, bool):
     raise ValueError(f"telemetry_whatif={telemetry_whatif!r}; accepted: True or False")
+  if not isinstance(retry_failed, bool):
+    raise ValueError(f"retry_failed={retry_failed!r}; accepted: True or False")
   pre = _Preflight(task, cfg)
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
                                  cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides,
@@ -241,9 +251,11 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       **({"floor_nudge": _floor.describe(task)} if cfg.floor else {})})
   if cfg.sequential is not None:
     with _Compile_cache(out):
-      cfg = _sequential_rounds(task, cfg, settings, out, progress)
+      cfg = _sequential_rounds(task, cfg, settings, out, progress, retry_failed)
   mine = cfg.grid()[k - 1::n]
-  todo = [c for c in mine if _cells.read_done(out, c) is None]
+  # An auto study's rounds retried its failed cells already (once).
+  retry = retry_failed and cfg.sequential is None
+  todo = [c for c in mine if _cells.to_run(out, c, retry)]
   bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
              "study" if n == 1 else f"study {k}/{n}", progress)
   with _Compile_cache(out):
@@ -251,7 +263,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       if bar is not None:
         bar.set_postfix_str(cell.name)
       _cells.run_cell(_task_of(task, cfg, cell), cell, settings, out,
-                      on_step=bar.update if bar else None)
+                      on_step=bar.update if bar else None, retry_failed=retry)
     if bar is not None:
       bar.close()
     if any(_cells.read_done(out, c) is None for c in cfg.grid()):
@@ -296,18 +308,21 @@ def _next_round(out: str, cfg: StudyConfig, p: _sequential.Plan) -> StudyConfig:
 
 
 def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettings,
-                       out: str, progress: bool) -> StudyConfig:
+                       out: str, progress: bool, retry_failed: bool = False) -> StudyConfig:
   """Runs rounds of a seeds="auto" study until no recipe takes another seed; returns the
   final config. Every round is recomputed from the finished cells, so a killed study
   rerun walks the same rounds (through the finished ones without training) and continues
   where it stopped; study.json's "sequential_state" records the last for `report_only`.
   Ends at the fixed point: the next round is this one and all its cells are finished
-  (seeds only grow, up to the budget, so it is reached)."""
+  (seeds only grow, up to the budget, so it is reached). With `retry_failed` a cell an
+  earlier run finished as failed is run again, once in this call."""
   p = _config.sequential_plan(cfg)
   path = os.path.join(out, _STUDY_FILE)
+  ran: set[str] = set()
   while True:
     new = _next_round(out, cfg, p)
-    todo = [c for c in new.grid() if _cells.read_done(out, c) is None]
+    todo = [c for c in new.grid()
+            if c.name not in ran and _cells.to_run(out, c, retry_failed)]
     if new == cfg and not todo:
       return cfg
     cfg = new
@@ -321,8 +336,9 @@ def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettin
     for cell in todo:
       if bar is not None:
         bar.set_postfix_str(cell.name)
+      ran.add(cell.name)
       _cells.run_cell(_task_of(task, cfg, cell), cell, settings, out,
-                      on_step=bar.update if bar else None)
+                      on_step=bar.update if bar else None, retry_failed=retry_failed)
     if bar is not None:
       bar.close()
 
