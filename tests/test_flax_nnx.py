@@ -318,7 +318,7 @@ def test_two_threads_tracing_at_once_keep_their_scopes_and_restore_the_classes()
   assert {cls: dict(cls.__dict__).get("__call__") for cls in (Net, nnx.Linear)} == before
 
 
-def test_marking_a_model_while_its_class_is_traced_keeps_the_dispatcher():
+def test_marking_a_model_while_its_class_is_traced_leaves_the_class_as_written():
   class Net(nnx.Module):
     def __init__(self, rngs):
       self.lin = nnx.Linear(4, 4, rngs=rngs)
@@ -326,10 +326,12 @@ def test_marking_a_model_while_its_class_is_traced_keeps_the_dispatcher():
     def __call__(self, x):
       return self.lin(x)
 
-  # As when another thread's trace has Net wrapped while this one marks a model.
+  user_call = Net.__dict__["__call__"]
+  # As when another thread's trace has Net intercepted while this one marks a model.
   with _scopes.module_scopes([Net(nnx.Rngs(0))], {}, {}):
     model = apply_policy(Net(nnx.Rngs(1)), MIXED)
-  assert getattr(Net.__dict__["__call__"], "precision_original", None) is not None
+  assert Net.__dict__["__call__"] is user_call
+  assert isinstance(model, Net) and type(Net(nnx.Rngs(2))).__call__ is user_call
   x = jnp.ones((2, 4), F32)
   report = mp.audit.audit(lambda m, x: m(x), model, x)
   assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 1}
