@@ -395,11 +395,10 @@ def check_overrides_matched(spec: AutocastSpec, env: _interpret.Env, keys=None) 
                if r.key not in env.matched and (keys is None or r.key in keys)]
   if unmatched:
     scopes = sorted(env.seen_scopes)
-    shown = ", ".join(repr(s) for s in scopes[:16]) + (", ..." if len(scopes) > 16 else "")
-    names = ", ".join(_overrides.key_name(k) for k in unmatched)
-    raise ValueError(
-        f"Override(s) {names} matched no scope of the traced program; its scopes are: "
-        f"{shown or '(none: the function opens no named scope or module)'}")
+    counts = _overrides.match_counts(spec.rules, scopes, env.module_at)
+    raise ValueError(_overrides.unmatched_message(
+        unmatched, scopes, "matched no scope of the traced program", "its scopes",
+        counts))
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import types
+import warnings
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -194,6 +195,25 @@ def scope_patterns(module: nnx.Module, spec: _api.AutocastSpec) -> tuple:
   return tuple(r.key for r in spec.rules if isinstance(r.key, str) and r.key not in matched)
 
 
+def _warn_unmatched(module: nnx.Module, spec: _api.AutocastSpec) -> None:
+  """Warns (UnmatchedOverrideWarning) naming each path pattern that matches no module
+  path of `module`, the paths closest to it and every rule's count.
+
+  A warning, not an error: such a pattern may name a `jax.named_scope` of the model's
+  code, which exists only when the model runs; the first call raises for a pattern that
+  matches no scope there either, so a typo never goes unreported past that call."""
+  unmatched = scope_patterns(module, spec)
+  if not unmatched:
+    return
+  modules = {_overrides.path_str(p): n for p, n in nnx.iter_graph(module)
+             if p and isinstance(n, nnx.Module)}
+  counts = _overrides.match_counts(spec.rules, modules, modules)
+  warnings.warn(_overrides.UnmatchedOverrideWarning(_overrides.unmatched_message(
+      unmatched, list(modules), "matched no module path of the model (a jax.named_scope "
+      "of its code may still match: checked at its first call, an error there if none "
+      "does)", "module paths", counts)), stacklevel=4)
+
+
 def apply_policy(module: nnx.Module, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None, *,
                  fp32_ops=None, replace: bool = False) -> nnx.Module:
@@ -253,6 +273,7 @@ def apply_policy(module: nnx.Module, policy: Any,
 def mark(module: nnx.Module, spec: _api.AutocastSpec) -> nnx.Module:
   """Casts params by path and marks `module` to run under `spec` (see apply_policy)."""
   by_path = policy_paths(module, spec)
+  _warn_unmatched(module, spec)
   for path, node in nnx.iter_graph(module):
     if isinstance(node, nnx.Param):
       owner = tuple(path)[:-1]
