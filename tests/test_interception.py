@@ -2,10 +2,13 @@
 and the policy's module scopes and inspect's, traced at once in two threads on instances
 of one class, each see only their own calls."""
 
+import copy
+import pickle
 import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -142,3 +145,21 @@ def test_policy_and_inspect_traced_at_once_on_one_class(policy_first):
       ("body", "bwd", "bfloat16"), ("body", "fwd", "bfloat16"),
       ("head", "bwd", "bfloat16"), ("head", "fwd", "bfloat16")], results["inspect"]
   assert _user_methods(Net, nnx.Linear) == before
+
+
+class _Picklable(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.lin(x)
+
+
+def test_a_marked_model_pickles_and_copies_as_a_marked_model():
+  model = mp.flax.apply_recipe(_Picklable(nnx.Rngs(0)), "bf16_mixed")
+  x = jnp.ones((2, 4), F32)
+  for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+    assert type(copied) is type(model) and isinstance(copied, _Picklable)
+    assert mp.flax.spec_of(copied) == mp.flax.spec_of(model)
+    np.testing.assert_array_equal(np.asarray(copied(x)), np.asarray(model(x)))
+  assert type(_Picklable(nnx.Rngs(1))).__call__ is _Picklable.__dict__["__call__"]

@@ -26,6 +26,7 @@ user's `__call__` under autocast outside an autocast trace, and as written insid
 
 from __future__ import annotations
 
+import copyreg
 import threading
 import types
 import warnings
@@ -91,10 +92,19 @@ def _make_marked_class(cls: type) -> type:
       return call_under_spec(spec, user_call, self, args, kwargs)
     return _call_in_trace(spec, user_call, self, args, kwargs)
 
+  def __reduce_ex__(self, protocol):
+    # Pickled by the user's class (the only name pickle can find) and remade marked.
+    reduced = super(sub, self).__reduce_ex__(protocol)
+    if (isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[0] is copyreg.__newobj__
+        and reduced[1] and reduced[1][0] is sub):
+      return (_new_marked, (cls, *reduced[1][1:]), *reduced[2:])
+    return reduced
+
   user = _intercept.original(cls, "__call__")
   __call__.__doc__ = user.__doc__
   __call__.__wrapped__ = user
-  namespace = {"__call__": __call__, "__module__": cls.__module__,
+  namespace = {"__call__": __call__, "__reduce_ex__": __reduce_ex__,
+               "__module__": cls.__module__,
                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
                "precision_marked_base": cls}
   # nnx.Object subclasses take `pytree=` at class creation; the user's class's own choice
@@ -104,6 +114,12 @@ def _make_marked_class(cls: type) -> type:
     kwds["pytree"] = cls._pytree__is_pytree
   sub = types.new_class(cls.__name__, (cls,), kwds, lambda ns: ns.update(namespace))
   return sub
+
+
+def _new_marked(cls: type, *args):
+  """An empty marked instance of `cls` (unpickling: the state is set after)."""
+  sub = _marked_class(cls)
+  return sub.__new__(sub, *args)
 
 
 def _call_in_trace(spec: _api.AutocastSpec, original, module, args, kwargs):
