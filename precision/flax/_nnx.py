@@ -264,7 +264,11 @@ def apply_policy(module: nnx.Module, policy: Any,
       for a bad policy string or preset name, a bad override key or policy, a
       module type that matches no module, an fp8 compute dtype or an fp8 recipe (use
       `apply_recipe`); at a call, for a pattern that matches neither a module path nor a
-      `jax.named_scope` of the call.
+      `jax.named_scope` of the call (naming the closest scopes and each rule's count).
+  Warns:
+    UnmatchedOverrideWarning: a path pattern that matches no module path (naming the
+      closest paths and each rule's count): a typo, or a `jax.named_scope` of the
+      model's code, which only the first call can tell.
 
   Examples:
     >>> model = apply_policy(model, "p=f32,c=bf16,o=f32", {"*lm_head*": "f32"})
