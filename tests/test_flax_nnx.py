@@ -65,8 +65,12 @@ def bf16_lm():
 def test_bf16_layers_and_dtypes(bf16_lm, tokens):
   assert bf16_lm(tokens).dtype == F32  # output_dtype
   assert bf16_lm.blocks[0].qkv.kernel.get_value().dtype == F32  # param_dtype
-  # Nothing replaced: the classes and layer attributes are the user's own.
-  assert type(bf16_lm) is M.AttentionLM and type(bf16_lm.blocks[0].qkv) is nnx.Linear
+  # Nothing replaced: the classes and layer attributes are the user's own. The marked
+  # instance alone takes a subclass of its class; the class itself is as written.
+  assert isinstance(bf16_lm, M.AttentionLM) and type(bf16_lm).__name__ == "AttentionLM"
+  assert M.AttentionLM.__call__.__code__.co_filename == M.__file__   # the user's code
+  assert type(M.AttentionLM(rngs=nnx.Rngs(1))) is M.AttentionLM
+  assert type(bf16_lm.blocks[0].qkv) is nnx.Linear
   assert bf16_lm.blocks[0].qkv.dot_general is jax.lax.dot_general
   assert mp.flax.policy_of(bf16_lm) == mp.get_policy(MIXED)
   assert mp.flax.spec_of(bf16_lm).policy == mp.get_policy(MIXED)
