@@ -89,13 +89,19 @@ def test_printing_is_one_screen():
   assert "bf16 x bf16 -> f32 -> f32" in r.table()
 
 
-def test_precision_audit_is_the_package_and_stays_callable():
+def test_precision_audit_is_the_package_and_calling_it_is_deprecated():
   # A fresh interpreter: `import precision` alone, no submodule imported by name first.
-  code = ("import types, precision, jax.numpy as jnp\n"
+  code = ("import types, warnings, precision, jax.numpy as jnp\n"
           "assert isinstance(precision.audit, types.ModuleType)\n"
           "assert precision.audit.lower is not None and precision.audit.audit is not None\n"
           "x = jnp.ones((2, 2))\n"
-          "assert precision.audit(lambda a: a @ a, x).num_gemms == 1\n"
-          "assert precision.audit.audit(lambda a: a @ a, x).num_gemms == 1\n")
+          "with warnings.catch_warnings():\n"
+          "  warnings.simplefilter('error')\n"
+          "  assert precision.audit.audit(lambda a: a @ a, x).num_gemms == 1\n"
+          "with warnings.catch_warnings(record=True) as w:\n"
+          "  warnings.simplefilter('always')\n"
+          "  assert precision.audit(lambda a: a @ a, x).num_gemms == 1\n"
+          "assert [x.category for x in w] == [DeprecationWarning], w\n"
+          "assert 'precision.audit.audit(fn, *args)' in str(w[0].message)\n")
   subprocess.run([sys.executable, "-c", code], check=True,
                  env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -65,8 +65,12 @@ def bf16_lm():
 def test_bf16_layers_and_dtypes(bf16_lm, tokens):
   assert bf16_lm(tokens).dtype == F32  # output_dtype
   assert bf16_lm.blocks[0].qkv.kernel.get_value().dtype == F32  # param_dtype
-  # Nothing replaced: the classes and layer attributes are the user's own.
-  assert type(bf16_lm) is M.AttentionLM and type(bf16_lm.blocks[0].qkv) is nnx.Linear
+  # Nothing replaced: the classes and layer attributes are the user's own. The marked
+  # instance alone takes a subclass of its class; the class itself is as written.
+  assert isinstance(bf16_lm, M.AttentionLM) and type(bf16_lm).__name__ == "AttentionLM"
+  assert M.AttentionLM.__call__.__code__.co_filename == M.__file__   # the user's code
+  assert type(M.AttentionLM(rngs=nnx.Rngs(1))) is M.AttentionLM
+  assert type(bf16_lm.blocks[0].qkv) is nnx.Linear
   assert bf16_lm.blocks[0].qkv.dot_general is jax.lax.dot_general
   assert mp.flax.policy_of(bf16_lm) == mp.get_policy(MIXED)
   assert mp.flax.spec_of(bf16_lm).policy == mp.get_policy(MIXED)
@@ -318,7 +322,7 @@ def test_two_threads_tracing_at_once_keep_their_scopes_and_restore_the_classes()
   assert {cls: dict(cls.__dict__).get("__call__") for cls in (Net, nnx.Linear)} == before
 
 
-def test_marking_a_model_while_its_class_is_traced_keeps_the_dispatcher():
+def test_marking_a_model_while_its_class_is_traced_leaves_the_class_as_written():
   class Net(nnx.Module):
     def __init__(self, rngs):
       self.lin = nnx.Linear(4, 4, rngs=rngs)
@@ -326,10 +330,12 @@ def test_marking_a_model_while_its_class_is_traced_keeps_the_dispatcher():
     def __call__(self, x):
       return self.lin(x)
 
-  # As when another thread's trace has Net wrapped while this one marks a model.
+  user_call = Net.__dict__["__call__"]
+  # As when another thread's trace has Net intercepted while this one marks a model.
   with _scopes.module_scopes([Net(nnx.Rngs(0))], {}, {}):
     model = apply_policy(Net(nnx.Rngs(1)), MIXED)
-  assert getattr(Net.__dict__["__call__"], "precision_original", None) is not None
+  assert Net.__dict__["__call__"] is user_call
+  assert isinstance(model, Net) and type(Net(nnx.Rngs(2))).__call__ is user_call
   x = jnp.ones((2, 4), F32)
   report = mp.audit.audit(lambda m, x: m(x), model, x)
   assert report.gemm_signatures() == {("bf16", "bf16", "f32", "f32"): 1}

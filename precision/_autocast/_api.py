@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import threading
 from typing import Any, Callable, Mapping
 
 import jax
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision import _fp32_ops
+from precision import _trace_state
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
 from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, PRESETS, Recipe, get_recipe
 from precision._autocast import _fp8
@@ -221,12 +221,6 @@ class ActiveTrace:
   module_policy: dict   # scope -> Policy of a module marked on its own
 
 
-class _State(threading.local):
-  def __init__(self):
-    self.traces: list[ActiveTrace] = []   # the autocasts tracing now, innermost last
-
-
-_STATE = _State()
 # Registered once per process (at import), read by every thread: not thread-local.
 _SCOPE_HOOKS: list[Callable] = []
 
@@ -235,28 +229,28 @@ def tracing() -> bool:
   """True while autocast traces a function (code that applies autocast itself, such as
   a module marked by precision.flax.apply_policy, then runs as written: the enclosing
   autocast governs it)."""
-  return bool(_STATE.traces)
+  return bool(_trace_state.AUTOCAST.get())
 
 
 def active_spec() -> AutocastSpec | None:
   """The spec of the innermost autocast tracing now (None outside any). Code that wraps
   part of a traced function in a custom VJP of its own (ZeRO-3's gathered layers) applies
   it inside, since autocast runs custom_vjp bodies as written."""
-  return _STATE.traces[-1].spec if _STATE.traces else None
+  traces = _trace_state.AUTOCAST.get()
+  return traces[-1].spec if traces else None
 
 
 def active_trace() -> ActiveTrace | None:
   """The innermost autocast tracing now (None outside any)."""
-  return _STATE.traces[-1] if _STATE.traces else None
+  traces = _trace_state.AUTOCAST.get()
+  return traces[-1] if traces else None
 
 
 @contextlib.contextmanager
 def _tracing_scope(spec: AutocastSpec, module_at: dict, module_policy: dict):
-  _STATE.traces.append(ActiveTrace(spec, module_at, module_policy))
-  try:
+  traces = _trace_state.AUTOCAST.get() + (ActiveTrace(spec, module_at, module_policy),)
+  with _trace_state.setting(_trace_state.AUTOCAST, traces):
     yield
-  finally:
-    _STATE.traces.pop()
 
 
 def _is_array(x) -> bool:
@@ -401,11 +395,10 @@ def check_overrides_matched(spec: AutocastSpec, env: _interpret.Env, keys=None) 
                if r.key not in env.matched and (keys is None or r.key in keys)]
   if unmatched:
     scopes = sorted(env.seen_scopes)
-    shown = ", ".join(repr(s) for s in scopes[:16]) + (", ..." if len(scopes) > 16 else "")
-    names = ", ".join(_overrides.key_name(k) for k in unmatched)
-    raise ValueError(
-        f"Override(s) {names} matched no scope of the traced program; its scopes are: "
-        f"{shown or '(none: the function opens no named scope or module)'}")
+    counts = _overrides.match_counts(spec.rules, scopes, env.module_at)
+    raise ValueError(_overrides.unmatched_message(
+        unmatched, scopes, "matched no scope of the traced program", "its scopes",
+        counts))
 
 
 @contextlib.contextmanager

@@ -57,17 +57,11 @@ class Env:
     compute dtype is all they read), "fwd" for every other op (see _overrides)."""
     key = (scope, direction)
     if key not in self._policies:
-      result = self.policy
-      for prefix in _overrides.scope_prefixes(scope):
-        rule = _overrides.match(self.rules, prefix, self.module_at.get(prefix), direction)
-        if rule is not None:
-          self.matched.add(rule.key)
-          result = rule.policy
-          break
-        if prefix in self.module_policy:
-          result = self.module_policy[prefix]
-          break
-      self._policies[key] = result
+      found = _overrides.governing(self.rules, scope, self.module_at, direction,
+                                   self.module_policy)
+      if found.rule is not None:
+        self.matched.add(found.rule.key)
+      self._policies[key] = self.policy if found.policy is None else found.policy
     return self._policies[key]
 
   def compute_at(self, scope: str, direction: str) -> np.dtype:

@@ -1,4 +1,4 @@
-"""Override rules: another policy for part of a program.
+"""Override rules: another policy for part of a program, and the one rule that matches them.
 
 `overrides` maps a path pattern (fnmatch on a "/"-joined module path or name scope such as
 "blocks/0/mlp", e.g. "*lm_head*") or a module type to another policy (a Policy or a policy
@@ -16,10 +16,17 @@ direction the override can choose: the backward of a non-GEMM op is JAX's transp
 forward op and runs in the dtypes the forward chose. A direction the mapping leaves out
 falls through to the enclosing rule (or the base policy), as if the rule were absent for
 it. Of a "bwd" policy only the compute dtype is used.
+
+`governing` is that rule, the only one: autocast's interpreter, the NNX and Linen policies
+(params cast by module path) and `precision.audit`'s `check` all ask it which override
+governs an op, so a check cannot disagree with what ran. A rule that governs nothing is a
+typo until shown otherwise: `match_counts` counts the scopes each rule governs (Qwix
+reports the same per rule) and `unmatched_message` names the closest scopes.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from typing import Any, Iterable, Mapping, NamedTuple
 
@@ -134,14 +141,63 @@ def match(rules: Iterable[Rule], path: str, module: Any,
   return None
 
 
+class UnmatchedOverrideWarning(UserWarning):
+  """An override pattern matched no module path of the model it was applied to. It may
+  still name a `jax.named_scope` of the model's code (checked at the first call, an
+  error there if it matches no scope either); filter this category for such patterns."""
+
+
 def check_all_matched(rules: Iterable[Rule], matched: set, paths: list[str]) -> None:
   """Raises ValueError naming every rule that matched no module (a typo in a pattern)."""
   unmatched = [r.key for r in rules if r.key not in matched]
   if unmatched:
-    shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
-    names = ", ".join(key_name(k) for k in unmatched)
-    raise ValueError(
-        f"Override pattern(s) {names} matched no module; module paths are: {shown}")
+    raise ValueError(unmatched_message(unmatched, paths, "matched no module",
+                                       "module paths"))
+
+
+def match_counts(rules: Iterable[Rule], scopes: Iterable[str],
+                 module_at: Mapping[str, Any] | None = None) -> dict:
+  """{rule key: how many of `scopes` it governs (in either direction)}, every key of
+  `rules` present, in the order given."""
+  rules = tuple(rules)
+  counts = {r.key: 0 for r in rules}
+  for scope in scopes:
+    keys = {g.rule.key for g in (governing(rules, scope, module_at, d) for d in DIRECTIONS)
+            if g.rule is not None}
+    for key in keys:
+      counts[key] += 1
+  return counts
+
+
+def closest(key: str | type, names: Iterable[str], n: int = 3) -> list[str]:
+  """Up to `n` of `names` closest to pattern `key` (its wildcards ignored), by whole name
+  or last component ("blocks/0/lm_head" is close to "lm_haed")."""
+  if not isinstance(key, str):
+    return []
+  stem = key.replace("*", "").replace("?", "").strip("/")
+  names = list(dict.fromkeys(names))
+  by_last = {}
+  for name in names:
+    by_last.setdefault(name.rsplit("/", 1)[-1], name)
+  found = difflib.get_close_matches(stem, names, n, 0.6)
+  found += [by_last[m] for m in difflib.get_close_matches(stem, list(by_last), n, 0.6)]
+  return list(dict.fromkeys(found))[:n]
+
+
+def unmatched_message(unmatched: Iterable, names: list[str], what: str, kind: str,
+                      counts: Mapping | None = None) -> str:
+  """The message naming each unmatched key, the scopes or paths there are (`kind`), the
+  names closest to each key, and (given `match_counts`) every rule's count."""
+  unmatched = list(dict.fromkeys(unmatched))
+  shown = ", ".join(repr(p) for p in names[:16]) + (", ..." if len(names) > 16 else "")
+  keys = ", ".join(key_name(k) for k in unmatched)
+  near = "; ".join(f"closest to {key_name(k)}: {', '.join(repr(c) for c in found)}"
+                   for k in unmatched if (found := closest(k, names)))
+  per_rule = ("" if counts is None else "; per rule, how many it governs: " + ", ".join(
+      f"{key_name(k)}: {c}" for k, c in counts.items()))
+  return (f"Override(s) {keys} {what}; {kind} are: "
+          f"{shown or '(none: the function opens no named scope or module)'}"
+          + (f"; {near}" if near else "") + per_rule)
 
 
 def key_name(key: str | type) -> str:
@@ -159,16 +215,35 @@ def scope_prefixes(scope: str) -> list[str]:
   return ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-def match_scope(rules: Iterable[Rule], scope: str, module_at: Mapping[str, Any],
-                direction: str = "fwd") -> Rule | None:
-  """The rule for an op of `direction` traced in `scope`: the deepest prefix of `scope`
-  that a rule covering `direction` matches (by pattern, or by the type of the module
-  recorded at that prefix in `module_at`); among the rules matching it, the first."""
+class Governing(NamedTuple):
+  """What governs the ops of one direction in one scope: `rule` (None: no rule) and the
+  policy they take (`rule.policy`, a marked module's policy, or None: the base)."""
+  rule: Rule | None
+  policy: Policy | None
+
+
+def governing(rules: Iterable[Rule], scope: str, module_at: Mapping[str, Any] | None = None,
+              direction: str = "fwd",
+              module_policy: Mapping[str, Policy] | None = None) -> Governing:
+  """The override governing an op of `direction` traced in `scope`: the deepest prefix of
+  `scope` that a rule covering `direction` matches (by pattern, or by the type of the
+  module recorded at that prefix in `module_at`), among the rules matching it the first;
+  a prefix with a policy of its own in `module_policy` (a submodule marked separately)
+  and no rule governs with that policy."""
   rules = tuple(rules)
-  if not rules:
-    return None
+  if not rules and not module_policy:
+    return Governing(None, None)
+  module_at = module_at or {}
   for prefix in scope_prefixes(scope):
     rule = match(rules, prefix, module_at.get(prefix), direction)
     if rule is not None:
-      return rule
-  return None
+      return Governing(rule, rule.policy)
+    if module_policy and prefix in module_policy:
+      return Governing(None, module_policy[prefix])
+  return Governing(None, None)
+
+
+def match_scope(rules: Iterable[Rule], scope: str, module_at: Mapping[str, Any],
+                direction: str = "fwd") -> Rule | None:
+  """The rule `governing` finds for an op of `direction` in `scope` (None: no rule)."""
+  return governing(rules, scope, module_at, direction).rule

@@ -1,7 +1,8 @@
 """precision.audit: the precision map of any JAX function, from its jaxpr.
 
-The package is callable: ``precision.audit(fn, *args)`` is ``precision.audit.audit(fn,
-*args)`` (the form the library's first versions documented).
+Call the named function, ``precision.audit.audit(fn, *args)``. Calling the package itself,
+``precision.audit(fn, *args)`` (the form the library's first versions documented), still
+works but is deprecated: it warns (DeprecationWarning) and will be removed.
 
 Examples:
   >>> report = precision.audit.audit(jax.value_and_grad(loss_fn), params, batch)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 from precision.audit._lowering import LoweredCustomCall
 from precision.audit._lowering import LoweredGemm
@@ -50,10 +52,14 @@ def audit(fn, *args, **kwargs) -> PrecisionReport:
 
 
 class _CallableAudit(types.ModuleType):
-  """The precision.audit package, callable as its `audit` function (``precision.audit.audit(fn,
-  *args)``, the form the library's first versions documented)."""
+  """The precision.audit package, callable as its `audit` function for old code only:
+  the call warns (DeprecationWarning) that ``precision.audit.audit(fn, *args)`` is the
+  name to call."""
 
   def __call__(self, fn, *args, **kwargs) -> PrecisionReport:
+    warnings.warn(
+        "precision.audit(fn, *args) (calling the package) is deprecated and will be "
+        "removed; call precision.audit.audit(fn, *args)", DeprecationWarning, stacklevel=2)
     return audit(fn, *args, **kwargs)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from precision import _plan
+from precision._autocast import _overrides
 from precision._policy import Policy
 from precision.audit import _format
 from precision.audit._format import short_dtype as _short
@@ -34,6 +35,19 @@ class PrecisionViolation(ValueError):
   def __init__(self, violations: list[str]):
     self.violations = list(violations)
     super().__init__(f"{len(violations)} precision violation(s):\n  " + "\n  ".join(violations))
+
+
+def _path_rules(rules) -> tuple:
+  return tuple(r for r in rules if isinstance(r.key, str))
+
+
+def governing_policy(policy: Policy, rules, gemm) -> Policy:
+  """The policy a GEMM record is checked against: that of the override autocast applies
+  at its scope and direction (`_overrides.governing`; path patterns only), else
+  `policy`."""
+  rule = _overrides.match_scope(_path_rules(rules), gemm.scope, {},
+                                "bwd" if gemm.direction == "bwd" else "fwd")
+  return policy if rule is None else rule.policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +119,7 @@ class PrecisionReport:
         found.append(f"GEMM accumulates in {_short(g.acc_dtype)} (< f32): {where}")
       if g.is_fp8:
         continue  # fp8 GEMMs are the fp8 recipe's choice; only their accumulation is checked
-      compute = np.dtype(policy.compute_dtype).name
-      for r in rules:   # a direction-specific rule covers the GEMMs of its direction
-        if (isinstance(r.key, str) and r.covers("bwd" if g.direction == "bwd" else "fwd")
-            and fnmatch.fnmatchcase(g.scope, r.key)):
-          compute = np.dtype(r.policy.compute_dtype).name
-          break
+      compute = np.dtype(governing_policy(policy, rules, g).compute_dtype).name
       ok = {compute} | allowed_anywhere
       if g.lhs_dtype not in ok or g.rhs_dtype not in ok:
         found.append(
@@ -125,8 +134,9 @@ class PrecisionReport:
   def check(self, policy: Any,
             overrides: Mapping[Any, Policy | str] | None = None) -> "PrecisionReport":
     """Raises PrecisionViolation (a ValueError) listing every GEMM whose operands are not in
-    the policy's compute dtype (outside `overrides`, whose path patterns are matched
-    against each GEMM's scope; type keys allow their compute dtype anywhere), every GEMM
+    the policy's compute dtype (outside `overrides`, whose path patterns govern each
+    GEMM's scope by autocast's own rule: the deepest enclosing scope a pattern matches,
+    the first such pattern given; type keys allow their compute dtype anywhere), every GEMM
     accumulating below f32, and every accumulating reduction (sum, cumsum, scatter-add,
     psum) below f32. fp8 GEMMs are accepted when they accumulate in f32. Returns self.
 

@@ -8,9 +8,11 @@ Public names: apply_policy (NNX), apply_recipe (NNX: policy, then fp8 layers), p
 (Linen; a policy, a recipe or a Plan), PolicyDotGeneral / PolicyConv (policy GEMM callables
 for a layer's `dot_general` / `conv_general_dilated` attribute, for code that wants one
 layer by hand), policy_dot_general, policy_conv_general_dilated, policy_einsum (the
-functional GEMMs). Every entry point takes a Plan (`precision.bind`) or what it binds.
+functional GEMMs), UnmatchedOverrideWarning (an override pattern that matches no module
+path of the model marked). Every entry point takes a Plan (`precision.bind`) or what it binds.
 """
 
+from precision._autocast._overrides import UnmatchedOverrideWarning
 from precision._gemm import PolicyConv
 from precision._gemm import PolicyDotGeneral
 from precision._gemm import policy_conv_general_dilated
@@ -25,6 +27,7 @@ from precision.flax._recipe import apply_recipe
 __all__ = [
     "PolicyConv",
     "PolicyDotGeneral",
+    "UnmatchedOverrideWarning",
     "apply_policy",
     "apply_recipe",
     "linen_policy",

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Any, Iterator, Mapping
 
 import flax.linen as nn
 import jax
 from flax.core import lift
 
+from precision import _trace_state
 from precision._policy import Policy, cast_floating
 from precision._autocast import _api
 from precision._autocast import _overrides
@@ -49,7 +49,7 @@ def _cast_params(variables: Any, spec: _api.AutocastSpec, matched: set) -> Any:
     if "params" not in names:
       return leaf
     names = names[names.index("params") + 1:-1]
-    rule = _overrides.match_scope(spec.rules, "/".join(names), _TRACE.module_at)
+    rule = _overrides.match_scope(spec.rules, "/".join(names), _trace().module_at)
     if rule is not None:
       matched.add(rule.key)
     pol = spec.policy if rule is None else rule.policy
@@ -68,9 +68,10 @@ def _autocast_transform(spec: _api.AutocastSpec, matched: set, seen: set):
         y = fn(inner_scope, *args, **kwargs)
         return y, repack_fn(inner_scope)
 
+      trace = _trace()
       traced = _api.run(spec, pure, (variable_groups, rng_groups, *args), kwargs,
-                        check_overrides=False, root_scope=_TRACE.root_name,
-                        module_at=_TRACE.module_at)
+                        check_overrides=False, root_scope=trace.root_name,
+                        module_at=trace.module_at)
       matched.update(traced.env.matched)
       seen.update(traced.env.seen_scopes)
       y, _ = traced.outputs
@@ -88,15 +89,10 @@ def _autocast_transform(spec: _api.AutocastSpec, matched: set, seen: set):
   return transform
 
 
-class _Trace(threading.local):
-  """The root module's name and the modules called (by path) in the trace in progress."""
-
-  def __init__(self):
-    self.root_name = ""
-    self.module_at: dict[str, nn.Module] = {}
-
-
-_TRACE = _Trace()
+def _trace() -> _trace_state.LinenTrace:
+  """The Linen root call this context traces (a blank one outside any: nothing reads it
+  there)."""
+  return _trace_state.LINEN.get() or _trace_state.LinenTrace("", {})
 
 
 @contextlib.contextmanager
@@ -141,13 +137,16 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Policy | str] | None = Non
     module = context.module
     path = _module_path(module)
     if _api.tracing() or path or context.method_name == "setup":
-      if _api.tracing() and path:
-        _TRACE.module_at.setdefault(_overrides.path_str(path), module)
+      trace = _trace_state.LINEN.get()
+      if _api.tracing() and path and trace is not None:
+        trace.module_at.setdefault(_overrides.path_str(path), module)
       return next_fun(*args, **kwargs)
-    _TRACE.root_name, _TRACE.module_at = type(module).__name__, {}
     method = context.orig_method  # functools.partial(function, module) in Flax
     method = method.func if isinstance(method, functools.partial) else method
-    return nn.transforms.lift_direct_transform(transform, (method,), module, *args, **kwargs)
+    with _trace_state.setting(_trace_state.LINEN,
+                              _trace_state.LinenTrace(type(module).__name__, {})):
+      return nn.transforms.lift_direct_transform(transform, (method,), module, *args,
+                                                 **kwargs)
 
   with nn.intercept_methods(interceptor):
     yield spec.policy

@@ -7,10 +7,11 @@ again op by op under the policy, so every GEMM the model computes - Flax layers,
 f32 forward and backward, the recipe's fp32 ops (softmax, norm statistics, exp/log/tanh,
 ...) run in f32 wherever they are written, and the result leaves in the output dtype.
 
-No layer is replaced and no class is swapped: the instance keeps its type, attributes and
-methods. Marking installs, once per class, a `__call__` dispatcher on the model's class:
-for a marked instance outside an autocast trace it runs the original `__call__` under
-autocast, for every other instance it calls the original directly.
+No layer is replaced and no class is modified: the user's class and every other instance
+of it stay as written (`type(x).__call__` is the user's function). The marked instance
+alone takes a subclass of its class (same name, module and qualname; one per class, so
+`isinstance`, graphdefs and jit caches behave as before) whose `__call__` runs the
+user's `__call__` under autocast outside an autocast trace, and as written inside one.
 
 | what                          | under apply_policy(model, "p=f32,c=bf16,o=f32")            |
 |-------------------------------|------------------------------------------------------------|
@@ -25,21 +26,27 @@ autocast, for every other instance it calls the original directly.
 
 from __future__ import annotations
 
-import functools
-import weakref
+import copyreg
+import threading
+import types
+import warnings
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from precision import _intercept
 from precision._policy import Policy, cast_floating
 from precision._autocast import _api
 from precision._autocast import _overrides
 from precision.flax import _scopes
 
 _api.register_scope_hook(_scopes.module_scopes)
-_DISPATCHED: "weakref.WeakSet[type]" = weakref.WeakSet()
+# {user class: the subclass its marked instances take}; made under _LOCK, once a class.
+# Not weak: the subclass holds its base (and flax's graph-node registry holds both).
+_MARKED: dict[type, type] = {}
+_LOCK = threading.Lock()
 
 
 def _cast_variable(var: nnx.Variable, dtype: np.dtype) -> None:
@@ -60,28 +67,59 @@ def call_under_spec(spec: _api.AutocastSpec, method, module, args, kwargs):
   return cast_floating(traced.outputs, spec.policy.output_dtype)
 
 
-def _install_dispatcher(cls: type) -> None:
-  with _scopes.LOCK:  # a trace in another thread may have wrapped the class just now
-    if cls not in _DISPATCHED:
-      _install_dispatcher_locked(cls)
+def _marked_class(cls: type) -> type:
+  """The class a marked instance of `cls` takes: a subclass of `cls` (same name, module
+  and qualname) whose `__call__` runs the instance under its autocast spec. One per user
+  class, made once: graphdefs of two marked models of a class compare equal."""
+  if cls.__dict__.get("precision_marked_base") is not None:
+    return cls  # already a marked class (a model marked again)
+  with _LOCK:
+    sub = _MARKED.get(cls)
+    if sub is None:
+      sub = _MARKED[cls] = _make_marked_class(cls)
+  return sub
 
 
-def _install_dispatcher_locked(cls: type) -> None:
-  original = _scopes.unwrapped(cls, "__call__")
-
-  @functools.wraps(original)
+def _make_marked_class(cls: type) -> type:
   def __call__(self, *args, **kwargs):
+    # The user's __call__, looked up at each call (as an unmarked instance would).
+    def user_call(module, *a, **k):
+      return super(sub, module).__call__(*a, **k)
     spec = getattr(self, _scopes.SPEC_ATTR, None)
     if spec is None:
-      return original(self, *args, **kwargs)
+      return user_call(self, *args, **kwargs)
     if not _api.tracing():
-      return call_under_spec(spec, original, self, args, kwargs)
-    return _call_in_trace(spec, original, self, args, kwargs)
+      return call_under_spec(spec, user_call, self, args, kwargs)
+    return _call_in_trace(spec, user_call, self, args, kwargs)
 
-  __call__.precision_original = original
-  if not _scopes.replace_original(cls, "__call__", __call__):
-    cls.__call__ = __call__
-  _DISPATCHED.add(cls)
+  def __reduce_ex__(self, protocol):
+    # Pickled by the user's class (the only name pickle can find) and remade marked.
+    reduced = super(sub, self).__reduce_ex__(protocol)
+    if (isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[0] is copyreg.__newobj__
+        and reduced[1] and reduced[1][0] is sub):
+      return (_new_marked, (cls, *reduced[1][1:]), *reduced[2:])
+    return reduced
+
+  user = _intercept.original(cls, "__call__")
+  __call__.__doc__ = user.__doc__
+  __call__.__wrapped__ = user
+  namespace = {"__call__": __call__, "__reduce_ex__": __reduce_ex__,
+               "__module__": cls.__module__,
+               "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+               "precision_marked_base": cls}
+  # nnx.Object subclasses take `pytree=` at class creation; the user's class's own choice
+  # is kept (the default would follow flax's config instead).
+  kwds = {}
+  if hasattr(cls, "_pytree__is_pytree"):
+    kwds["pytree"] = cls._pytree__is_pytree
+  sub = types.new_class(cls.__name__, (cls,), kwds, lambda ns: ns.update(namespace))
+  return sub
+
+
+def _new_marked(cls: type, *args):
+  """An empty marked instance of `cls` (unpickling: the state is set after)."""
+  sub = _marked_class(cls)
+  return sub.__new__(sub, *args)
 
 
 def _call_in_trace(spec: _api.AutocastSpec, original, module, args, kwargs):
@@ -173,6 +211,25 @@ def scope_patterns(module: nnx.Module, spec: _api.AutocastSpec) -> tuple:
   return tuple(r.key for r in spec.rules if isinstance(r.key, str) and r.key not in matched)
 
 
+def _warn_unmatched(module: nnx.Module, spec: _api.AutocastSpec) -> None:
+  """Warns (UnmatchedOverrideWarning) naming each path pattern that matches no module
+  path of `module`, the paths closest to it and every rule's count.
+
+  A warning, not an error: such a pattern may name a `jax.named_scope` of the model's
+  code, which exists only when the model runs; the first call raises for a pattern that
+  matches no scope there either, so a typo never goes unreported past that call."""
+  unmatched = scope_patterns(module, spec)
+  if not unmatched:
+    return
+  modules = {_overrides.path_str(p): n for p, n in nnx.iter_graph(module)
+             if p and isinstance(n, nnx.Module)}
+  counts = _overrides.match_counts(spec.rules, modules, modules)
+  warnings.warn(_overrides.UnmatchedOverrideWarning(_overrides.unmatched_message(
+      unmatched, list(modules), "matched no module path of the model (a jax.named_scope "
+      "of its code may still match: checked at its first call, an error there if none "
+      "does)", "module paths", counts)), stacklevel=4)
+
+
 def apply_policy(module: nnx.Module, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None, *,
                  fp32_ops=None, replace: bool = False) -> nnx.Module:
@@ -207,7 +264,11 @@ def apply_policy(module: nnx.Module, policy: Any,
       for a bad policy string or preset name, a bad override key or policy, a
       module type that matches no module, an fp8 compute dtype or an fp8 recipe (use
       `apply_recipe`); at a call, for a pattern that matches neither a module path nor a
-      `jax.named_scope` of the call.
+      `jax.named_scope` of the call (naming the closest scopes and each rule's count).
+  Warns:
+    UnmatchedOverrideWarning: a path pattern that matches no module path (naming the
+      closest paths and each rule's count): a typo, or a `jax.named_scope` of the
+      model's code, which only the first call can tell.
 
   Examples:
     >>> model = apply_policy(model, "p=f32,c=bf16,o=f32", {"*lm_head*": "f32"})
@@ -232,6 +293,7 @@ def apply_policy(module: nnx.Module, policy: Any,
 def mark(module: nnx.Module, spec: _api.AutocastSpec) -> nnx.Module:
   """Casts params by path and marks `module` to run under `spec` (see apply_policy)."""
   by_path = policy_paths(module, spec)
+  _warn_unmatched(module, spec)
   for path, node in nnx.iter_graph(module):
     if isinstance(node, nnx.Param):
       owner = tuple(path)[:-1]
@@ -239,7 +301,9 @@ def mark(module: nnx.Module, spec: _api.AutocastSpec) -> nnx.Module:
         owner = owner[:-1]
       _cast_variable(node, by_path[owner].param_dtype)
   setattr(module, _scopes.SPEC_ATTR, spec)
-  _install_dispatcher(type(module))
+  # The instance, not its class, takes the dispatching __call__: the user's class and
+  # every other instance of it stay as written.
+  module.__class__ = _marked_class(type(module))
   return module
 
 

@@ -44,9 +44,12 @@ def apply_recipe(module: nnx.Module, recipe: Any,
   Returns:
     `module`.
   Raises:
-    ValueError: an unknown preset, a bad override, a pattern that matches no module path,
+    ValueError: an unknown preset, a bad override, a module type key that matches no module,
       overrides given with a Plan, or a model marked with another recipe (without
       ``replace=True``, or with fp8 GEMMs of an earlier recipe).
+  Warns:
+    UnmatchedOverrideWarning: a path pattern that matches no module path (see
+      `apply_policy`: the first call raises if it matches no named scope either).
 
   Examples:
     >>> model = apply_recipe(GPT(cfg, rngs=nnx.Rngs(0)), "bf16_mixed")

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 
+from precision import _intercept
 from precision._autocast import autocast
 from precision.numerics import _interpret
 from precision.numerics import _report
 from precision.numerics import _stats
-
-_PATCH_LOCK = threading.RLock()   # re-entrant: fn may call inspect itself
-
 
 class Captured(NamedTuple):
   """One GEMM operand or result as `capture` hands it over."""
@@ -42,14 +39,16 @@ def _module_scopes(nodes):
   graph at call time: a module called from inside another's method gets the path from
   that module to it ("blocks/0/mlp"). Unlike autocast's own NNX scopes (which know the
   module objects passed in), this also names the fresh module objects that nnx.grad or
-  jax.grad merge inside the traced function."""
+  jax.grad merge inside the traced function. The classes are intercepted for this
+  context only (precision._intercept, shared with autocast's scopes): other threads'
+  calls run as written, and no class is changed after the trace."""
   if not nodes:
     yield
     return
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  classes = {type(obj) for node in nodes for _, obj in nnx.iter_graph(node)
+  classes = {type(obj): None for node in nodes for _, obj in nnx.iter_graph(node)
              if isinstance(obj, nnx.Module)}
-  stack: list = []
+  stack: list = []   # this trace's module calls in progress (one context: not shared)
   paths: dict = {}
 
   def path_in(parent, child) -> str:
@@ -59,34 +58,19 @@ def _module_scopes(nodes):
                          for path, obj in nnx.iter_graph(parent) if obj is child), "")
     return paths[key]
 
-  def wrap(original):
-    def method(self, *args, **kwargs):
-      if stack and stack[-1] is self:   # a module calling its own method
-        return original(self, *args, **kwargs)
-      name = path_in(stack[-1], self) if stack else ""
-      stack.append(self)
-      try:
-        with jax.named_scope(name) if name else contextlib.nullcontext():
-          return original(self, *args, **kwargs)
-      finally:
-        stack.pop()
-    method.__wrapped__ = original
-    return method
-
-  originals = {(cls, m): getattr(cls, m) for cls in classes for m in ("__call__", "attend")
-               if callable(getattr(cls, m, None))}
-  owned = {key: key[1] in key[0].__dict__ for key in originals}
-  with _PATCH_LOCK:
+  def open_scope(module, call, args, kwargs):
+    if stack and stack[-1] is module:   # a module calling its own method
+      return call(*args, **kwargs)
+    name = path_in(stack[-1], module) if stack else ""
+    stack.append(module)
     try:
-      for (cls, m), original in originals.items():
-        setattr(cls, m, wrap(original))
-      yield
+      with jax.named_scope(name) if name else contextlib.nullcontext():
+        return call(*args, **kwargs)
     finally:
-      for (cls, m), original in originals.items():
-        if owned[(cls, m)]:
-          setattr(cls, m, original)
-        else:
-          delattr(cls, m)
+      stack.pop()
+
+  with _intercept.intercepting(classes, ("__call__", "attend"), open_scope):
+    yield
 
 
 class AsWritten(NamedTuple):
