@@ -37,6 +37,7 @@ import numpy as np
 from precision import checkpoint as ckpt_lib
 from precision._recipe import Recipe
 from precision.study import _models
+from precision.study import _signals
 from precision.study._task import Task, batch_stream
 
 STATUSES = ("ok", "diverged", "failed")
@@ -242,9 +243,12 @@ def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
           on_step(1)
         if stopped:
           break
-        if done < settings.steps and done % settings.save_every == 0:
+        stop = _signals.requested() if done < settings.steps else None  # SIGTERM/USR1
+        if done < settings.steps and (done % settings.save_every == 0 or stop):
           ckpt.save(done, state, recipe=prog.recipe, seed=cell.seed,
                     extra={"arm": cell.arm, "index": cell.index})
+        if stop:
+          raise _signals.Stopped(stop, cell=cell.name, step=done)
     finally:
       log.close()
   finally:

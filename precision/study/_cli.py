@@ -20,6 +20,8 @@ import json
 import sys
 
 from precision import _numerics
+from precision.study import _signals
+from precision.study import _slurm
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,11 +56,25 @@ def _parser() -> argparse.ArgumentParser:
                        "of every GEMM, monitors, first anomaly and heatmaps in the report")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
+  # Stopping on a signal (_signals) and the Slurm submit script (_slurm).
+  ap.add_argument("--stop-signal", default="USR1",
+                  help="besides SIGTERM, the signal that stops the study cleanly: it saves and "
+                       f"exits {_signals.REQUEUE_EXIT} (run again to continue; default USR1)")
+  ap.add_argument("--requeue", action="store_true",
+                  help="under Slurm, a stop also requeues this job (scontrol requeue)")
+  _slurm.add_arguments(ap)
   return ap
 
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  if args.slurm_script:
+    try:
+      _signals.parse_signal(args.stop_signal)
+      return _slurm.write_from_cli(_parser(), args)
+    except ValueError as e:
+      print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+      return 2
   if not args.no_faithful_rounding:
     _numerics.enable_faithful_rounding()  # before the task's module can start JAX's backend
   from precision import study  # pylint: disable=g-import-not-at-top
@@ -84,10 +100,14 @@ def main(argv=None) -> int:
           control=args.control, growth_interval=args.growth_interval,
           timing_rounds=args.timing_rounds, progress=not args.no_progress,
           telemetry=args.telemetry,
-          overrides=overrides or None)
+          overrides=overrides or None, stop_signal=args.stop_signal, requeue=args.requeue)
   except ValueError as e:
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2
+  except _signals.Stopped as e:
+    print(f"{e}; run the same command again to continue (the stop's record: "
+          f"{e.record.get('file')})", file=sys.stderr)
+    return _signals.REQUEUE_EXIT
   if result is None:
     print(f"slice done: {args.out}. Once every slice is done: python -m precision.study "
           f"{args.task} --out {args.out} --report-only")

@@ -39,6 +39,7 @@ from precision.study._config import StudyConfig, check_int, make_config, parse_s
 from precision.study import _digest
 from precision.study import _models
 from precision.study import _report
+from precision.study import _signals
 from precision.study import _stats
 from precision.study._task import Task
 
@@ -154,7 +155,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         aa: bool = False, control: str = "fp32", growth_interval: str | int = "recipe",
         max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
         overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
-        telemetry_whatif: bool = True) -> _report.StudyResult | None:
+        telemetry_whatif: bool = True, stop_signal: str | int | None = "USR1",
+        requeue: bool = False) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -189,6 +191,12 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       anomaly, the worst tensors and a heatmap per recipe. Measured by a separate
       program on the state before the step: the trajectory is the same with it off.
     telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
+    stop_signal: besides SIGTERM, the signal that stops the study cleanly (Slurm's
+      ``--signal=B:USR1@<seconds>`` warning; None: SIGTERM only): the step in flight
+      finishes, the open cell saves at that step, the slice's stop record is written
+      (stops/slice-K-of-N.json) and `Stopped` is raised; the same call continues
+      bit-exactly. Handled only when `run` is called from the main thread.
+    requeue: under Slurm, a stop also requeues this job (``scontrol requeue``).
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -197,6 +205,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   Raises:
     ValueError: a bad argument, a task whose loss is not a floating scalar or that
       returns no f32 model, or an `out` holding another study's files.
+    Stopped: SIGTERM or `stop_signal` arrived (everything saved; run again to continue).
   """
   if not isinstance(task, Task):
     raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
@@ -204,6 +213,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
                     control=control, aa=aa, growth_interval=growth_interval,
                     max_nonfinite=max_nonfinite, overrides=overrides)
   k, n = parse_shard(shard)
+  stops = _signals.stopping(out, (k, n), stop_signal, requeue)
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   check_int("timing_rounds", timing_rounds, 0)
   check_int("telemetry", telemetry, 0)
@@ -220,8 +230,9 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   todo = [c for c in mine if _cells.read_done(out, c) is None]
   bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
              "study" if n == 1 else f"study {k}/{n}", progress)
-  with _Compile_cache(out):
+  with _Compile_cache(out), stops:
     for cell in todo:
+      _signals.check()  # a stop between cells: nothing is open
       if bar is not None:
         bar.set_postfix_str(cell.name)
       _cells.run_cell(task, cell, settings, out, on_step=bar.update if bar else None)
