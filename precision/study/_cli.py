@@ -67,10 +67,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+  """The command; SIGTERM and --stop-signal are handled from its start to its return (a
+  stop during the imports is acted on at the first cell; Slurm's SIGTERM that follows a
+  job's requeue of itself does not cut its exit short)."""
   args = _parser().parse_args(argv)
+  try:
+    handling = _signals.handling(args.stop_signal)
+  except ValueError as e:
+    print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+    return 2
+  with handling:
+    return _main(args)
+
+
+def _main(args) -> int:
   if args.slurm_script:
     try:
-      _signals.parse_signal(args.stop_signal)
       return _slurm.write_from_cli(_parser(), args)
     except ValueError as e:
       print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)

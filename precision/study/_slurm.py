@@ -6,7 +6,8 @@ it writes a bash script that submits the same study as two Slurm jobs,
   * an array job of ``--slurm-tasks`` N tasks, one slice of the grid each (the study reads
     its slice from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT), warned by
     ``--signal=B:<stop signal>@<--slurm-warn seconds>`` before its time limit, with
-    ``--requeue`` and ``--open-mode=append`` (a requeued task appends to its log); the
+    ``--requeue`` and ``--open-mode=append`` (a requeued task appends to its log, in
+    <out>/.slurm/); the
     study runs as the batch shell itself (``exec``), so the warning reaches it: it saves,
     requeues its own array task and exits 75, and the requeued task continues bit-exactly;
   * the report (``--report-only``), a job that starts once every array task has ended
@@ -98,7 +99,8 @@ def script(study: Sequence[str], out: str, *, tasks: int, warn: int, stop_signal
   sig = stop_signal.upper().removeprefix("SIG")
   run = shlex.join([python, "-m", "precision.study", *study, "--no-progress", "--requeue"])
   report = shlex.join([python, "-m", "precision.study", *study, "--report-only"])
-  logs = os.path.join(out, "slurm")
+  # In the study's folder, hidden: a folder that holds anything else is not a new study's.
+  logs = os.path.join(out, ".slurm")
   name = shlex.quote("study-" + os.path.basename(os.path.normpath(out)))
   array_job = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --array=0-{tasks - 1}",
                f"#SBATCH --signal=B:{sig}@{warn}", "#SBATCH --requeue",
