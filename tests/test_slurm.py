@@ -1,7 +1,7 @@
 """The README's "On a Slurm cluster" on a real one-node Slurm cluster on localhost.
 
 tests/_slurm_cluster.py starts munged, slurmctld and slurmd (Debian's slurm-wlm and munge;
-the module is skipped where they are not installed). Each test writes the README's
+the tests are skipped, with the reason, where they are not installed). Each test writes the README's
 my_task.py into a folder of its own, runs the README's --slurm-script command there as
 written and submits the script it wrote with `bash`, as a user does; the array of 4
 tasks and the report job must end with what one process running the same study writes:
@@ -25,6 +25,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,11 +35,6 @@ from test_study_signals import readme_slurm_section, results_without_time, summa
 pytestmark = pytest.mark.slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MISSING = _slurm_cluster.missing()
-if MISSING:
-  pytest.skip(f"Slurm is not installed (no {', '.join(MISSING)} on PATH; Debian: apt-get "
-              "install slurm-wlm munge)", allow_module_level=True)
-
 TASK_OF_CELL = {"fp32__s0": 0, "fp32__s1": 1, "bf16_mixed__s0": 2, "bf16_mixed__s1": 3}
 JOB_TIMEOUT = 900
 
@@ -62,6 +58,10 @@ def _env(cluster=None):
 
 @pytest.fixture(scope="module")
 def cluster():
+  missing = _slurm_cluster.missing()
+  if missing:
+    pytest.skip(f"Slurm is not installed (no {', '.join(missing)} on PATH; Debian: apt-get "
+                "install slurm-wlm munge)")
   if os.geteuid() != 0:
     pytest.skip("the local Slurm cluster runs its daemons as root (slurmd starts jobs)")
   c = _slurm_cluster.start()
@@ -130,7 +130,6 @@ def reference(tmp_path_factory):
 
 def _wait_steps(cluster, study, cell, n, job):
   """Waits until `cell` has written `n` step records (its task running)."""
-  import time  # pylint: disable=g-import-not-at-top
   deadline = time.time() + JOB_TIMEOUT
   while len(study.steps_of(cell)) < n:
     if time.time() > deadline:

@@ -1,5 +1,6 @@
-"""params_mlp's task with every batch taking PACE_S seconds to arrive, as a data loader
-does: the same numbers, but a cell runs long enough for a test to signal it mid-run."""
+"""params_mlp's task with every batch taking PACE_S seconds to arrive, as a slow data
+loader's do: the same numbers (and results), but a cell of a dozen steps runs long enough
+for a test to signal it mid-run."""
 
 import time
 
@@ -7,7 +8,7 @@ from precision.study import Task
 
 import params_mlp  # pylint: disable=import-error  (loaded from this folder)
 
-PACE_S = 0.01
+PACE_S = 0.1
 
 
 def batches(seed):
