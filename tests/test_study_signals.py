@@ -246,3 +246,18 @@ def test_slurm_script_options_are_checked(tmp_path, capsys):
   ap = _cli._parser()  # pylint: disable=protected-access
   again = _slurm.command_of(ap, ap.parse_args(argv[3:]))
   assert ap.parse_args(again) == ap.parse_args(argv[3:])
+
+
+def test_handling_nests_and_leaves_no_request_behind():
+  before = signal.getsignal(signal.SIGTERM)
+  with _signals.handling("USR2") as outer:
+    assert outer.signals == (signal.SIGTERM, signal.SIGUSR2)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    with _signals.handling():  # run's, inside the command's: the request stands
+      assert _signals.requested() == (signal.SIGUSR2, 1)
+      os.kill(os.getpid(), signal.SIGUSR1)
+      assert _signals.requested() == (signal.SIGUSR2, 2)
+    assert signal.getsignal(signal.SIGUSR1) is not _signals._on_signal  # pylint: disable=protected-access
+    with pytest.raises(study.Stopped, match="stopped by SIGUSR2"):
+      _signals.check()
+  assert _signals.requested() is None and signal.getsignal(signal.SIGTERM) is before

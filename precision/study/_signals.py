@@ -97,10 +97,10 @@ def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
 class handling:  # pylint: disable=invalid-name
   """Context manager: SIGTERM and `warn` (default SIGUSR1) set the stop flag while active.
 
-  Nested uses share one flag (an outer one installed by the command line before its
-  imports, the inner one by `run`); the flag is cleared when the outermost one is entered,
-  and the previous handlers are restored when it is left. Outside the main thread
-  (where Python cannot install handlers) it does nothing and the flag is never set.
+  Nested uses share one flag (the command line's, from its start, and `run`'s); the flag
+  is cleared when the outermost one is entered and when it is left, and each restores the
+  handlers it found. Outside the main thread (where Python cannot install handlers) it
+  does nothing.
   """
 
   def __init__(self, warn: str | int | None = "USR1"):
@@ -123,7 +123,7 @@ class handling:  # pylint: disable=invalid-name
     return self
 
   def __exit__(self, *exc) -> None:
-    global _depth
+    global _depth, _first, _count
     if threading.current_thread() is not threading.main_thread():
       return
     with _lock:
@@ -131,6 +131,8 @@ class handling:  # pylint: disable=invalid-name
         signal.signal(s, previous)
       self._installed.clear()
       _depth = max(0, _depth - 1)
+      if _depth == 0:
+        _first, _count = None, 0  # nothing handles signals now: no request stands
 
 
 def requested() -> StopRequest | None:
