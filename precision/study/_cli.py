@@ -11,6 +11,8 @@ never reruns a finished one. In a Slurm array job the slice is read from
 SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT when --shard is not given. Faithful
 rounding is on (bf16/f16 values are rounded as their dtypes say; off with
 --no-faithful-rounding). Bad input ends with a one-line error and exit status 2.
+SIGTERM or --stop-signal (USR1: Slurm's warning) saves and exits 75; --slurm-script PATH
+writes the script that submits the study to Slurm as an array job plus its report.
 """
 
 from __future__ import annotations

@@ -63,7 +63,6 @@ class Stopped(BaseException):
 
 _lock = threading.Lock()
 _depth = 0
-_saved: dict[int, object] = {}
 _first: int | None = None
 _count = 0
 
