@@ -177,9 +177,13 @@ def test_the_command_sent_its_warning_signal_mid_cell_exits_75_and_resumes(refer
   with open(os.path.join(out, "stops", "slice-1-of-1.json")) as f:
     rec = json.load(f)
   assert rec["signal"] == "SIGUSR1" and 2 <= rec["saved_at_step"] < 12
-  p = subprocess.run(_cli_cmd(out), cwd=ROOT, env=_cli_env(), capture_output=True,
-                     text=True, timeout=300)
-  assert p.returncode == 0, p.stderr[-3000:]
+  # The rerun, here in this process (one interpreter start fewer), continues the cell.
+  with user_code():
+    study.run(study.load_task(os.path.join(TASKS, "paced_mlp.py:task")), ["fp32"],
+              out=out, **SMALL)
+  attempts = _cells.read_jsonl(os.path.join(out, "cells", "fp32__s0", "attempts.jsonl"))
+  assert [(a["event"], a["step"]) for a in attempts] == [("start", 0),
+                                                         ("resume", rec["saved_at_step"])]
   # The same numbers as the uninterrupted run of params_mlp in this process.
   assert results_without_time(out) == results_without_time(reference)
   def unnamed(s):  # the tasks' names differ ("paced-mlp"), nothing else
