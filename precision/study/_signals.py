@@ -183,7 +183,6 @@ def write_stop_record(out: str, shard: tuple[int, int], request: StopRequest,
                       cell: str | None, step: int | None, requeue: bool) -> dict:
   """Writes (atomically) why slice `shard` stopped and where; requeues it under Slurm
   when `requeue`; returns the record."""
-  from precision.study import _cells  # pylint: disable=g-import-not-at-top
   record = {"reason": "signal", "signal": request.name, "signals_received": request.count,
             "shard": f"{shard[0]}/{shard[1]}", "cell": cell, "saved_at_step": step,
             "pid": os.getpid(), "time": time.time(),
@@ -193,7 +192,14 @@ def write_stop_record(out: str, shard: tuple[int, int], request: StopRequest,
     record["requeued"], record["requeue"] = requeue_slurm_job()
   path = record["file"] = stop_file(out, shard)
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  _cells.write_atomic(path, json.dumps(record, indent=1))
+  # Atomically (a SIGKILL now leaves the previous record or this one, never half), as
+  # _cells.write_atomic does; not imported from there: the cells import this module.
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(json.dumps(record, indent=1))
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
   return record
 
 

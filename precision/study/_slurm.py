@@ -29,6 +29,8 @@ import shlex
 import sys
 from typing import Sequence
 
+from precision.study import _cells
+
 _OWN = ("slurm_script", "slurm_tasks", "slurm_warn", "slurm_option")
 _BOTH = ("shard", "report_only")       # what the script decides per job
 _ADDED = ("no_progress", "requeue")    # added to the array's command
@@ -144,7 +146,6 @@ def write_from_cli(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int
   if args.slurm_script == "-":
     sys.stdout.write(text)
     return 0
-  from precision.study import _cells  # pylint: disable=g-import-not-at-top
   folder = os.path.dirname(os.path.abspath(args.slurm_script))
   os.makedirs(folder, exist_ok=True)
   _cells.write_atomic(args.slurm_script, text)
