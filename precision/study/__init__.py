@@ -39,6 +39,8 @@ from precision.study._config import parse_shard
 from precision.study._faults import StudyEnvironmentError
 from precision.study._run import report_only
 from precision.study._run import run
+from precision.study._signals import REQUEUE_EXIT
+from precision.study._signals import Stopped
 from precision.study._task import HELDOUT_SEED
 from precision.study._task import Task
 from precision.study._task import load_task
@@ -47,9 +49,11 @@ __all__ = [
     "HELDOUT_SEED",
     "Judging",
     "LinenModel",
+    "REQUEUE_EXIT",
     "StudyConfig",
     "StudyEnvironmentError",
     "StudyResult",
+    "Stopped",
     "Task",
     "comparable",
     "compiled_memory",

@@ -43,6 +43,7 @@ from precision import checkpoint as ckpt_lib
 from precision._recipe import Recipe
 from precision.study import _faults
 from precision.study import _models
+from precision.study import _signals
 from precision.study._faults import library_io
 from precision.study._task import Task, batch_stream
 
@@ -303,10 +304,13 @@ def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
           on_step(1)
         if stopped:
           break
-        if done < settings.steps and done % settings.save_every == 0:
+        stop = _signals.requested() if done < settings.steps else None  # SIGTERM/USR1
+        if done < settings.steps and (done % settings.save_every == 0 or stop):
           with io(f"saving its checkpoint of step {done}", ckpt_dir):
             ckpt.save(done, state, recipe=prog.recipe, seed=cell.seed,
                       extra={"arm": cell.arm, "index": cell.index})
+        if stop:
+          raise _signals.Stopped(stop, cell=cell.name, step=done)
     except BaseException:
       _close_after_failure(log.close)
       raise

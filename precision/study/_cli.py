@@ -15,6 +15,8 @@ of the environment (a full disk, an I/O or permission error, memory exhausted) e
 one line naming the cell, the path and the cause, and exit status 1: nothing is recorded
 as the model's result, and the same command continues once the cause is fixed
 (--debug adds the traceback). --retry-failed trains again the cells recorded as failed.
+SIGTERM or --stop-signal (USR1: Slurm's warning) saves and exits 75; --slurm-script PATH
+writes the script that submits the study to Slurm as an array job plus its report.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import warnings
 
 from precision import _numerics
 from precision.checkpoint import CheckpointError
+from precision.study import _signals
+from precision.study import _slurm
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
                   help="print the traceback of an error, not only its line")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
+  # Stopping on a signal (_signals) and the Slurm submit script (_slurm).
+  ap.add_argument("--stop-signal", default="USR1",
+                  help="besides SIGTERM, the signal that stops the study cleanly: it saves and "
+                       f"exits {_signals.REQUEUE_EXIT} (run again to continue; default USR1)")
+  ap.add_argument("--requeue", action="store_true",
+                  help="under Slurm, a stop also requeues this job (scontrol requeue)")
+  _slurm.add_arguments(ap)
   return ap
 
 
@@ -86,7 +97,26 @@ def _seeds_arg(text: str):
 
 
 def main(argv=None) -> int:
+  """The command; SIGTERM and --stop-signal are handled from its start to its return (a
+  stop during the imports is acted on at the first cell; Slurm's SIGTERM that follows a
+  job's requeue of itself does not cut its exit short)."""
   args = _parser().parse_args(argv)
+  try:
+    handling = _signals.handling(args.stop_signal)
+  except ValueError as e:
+    print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+    return 2
+  with handling:
+    return _main(args)
+
+
+def _main(args) -> int:
+  if args.slurm_script:
+    try:
+      return _slurm.write_from_cli(_parser(), args)
+    except ValueError as e:
+      print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+      return 2
   if not args.no_faithful_rounding:
     _numerics.enable_faithful_rounding()  # before the task's module can start JAX's backend
   from precision import study  # pylint: disable=g-import-not-at-top
@@ -117,12 +147,17 @@ def main(argv=None) -> int:
           control=args.control, growth_interval=args.growth_interval,
           timing_rounds=args.timing_rounds, progress=not args.no_progress,
           telemetry=args.telemetry, retry_failed=args.retry_failed,
-          overrides=overrides or None, max_seeds=args.max_seeds, floor=args.floor)
+          overrides=overrides or None, max_seeds=args.max_seeds, floor=args.floor,
+          stop_signal=args.stop_signal, requeue=args.requeue)
   except ValueError as e:
     if args.debug:
       traceback.print_exc()
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2
+  except _signals.Stopped as e:
+    print(f"{e}; run the same command again to continue (the stop's record: "
+          f"{e.record.get('file')})", file=sys.stderr)
+    return _signals.REQUEUE_EXIT
   except (study.StudyEnvironmentError, OSError, MemoryError, CheckpointError) as e:
     if args.debug:
       traceback.print_exc()

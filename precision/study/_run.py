@@ -42,6 +42,7 @@ from precision.study._config import StudyConfig, check_int, make_config, parse_s
 from precision.study import _digest
 from precision.study import _models
 from precision.study import _report
+from precision.study import _signals
 from precision.study import _stats
 from precision.study._task import Task
 
@@ -162,8 +163,9 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
         overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
         telemetry_whatif: bool = True, max_seeds: int | None = None,
-        floor: bool | None = None,
-        retry_failed: bool = False) -> _report.StudyResult | None:
+        floor: bool | None = None, retry_failed: bool = False,
+        stop_signal: str | int | None = "USR1",
+        requeue: bool = False) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -207,6 +209,12 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
     retry_failed: train again the cells recorded as "failed" (from their last
       checkpoint), e.g. cells an earlier version failed for a full disk.
+    stop_signal: besides SIGTERM, the signal that stops the study cleanly (Slurm's
+      ``--signal=B:USR1@<seconds>`` warning; None: SIGTERM only): the step in flight
+      finishes, the open cell saves at that step, the slice's stop record is written
+      (stops/slice-K-of-N.json) and `Stopped` is raised; the same call continues
+      bit-exactly. Handled only when `run` is called from the main thread.
+    requeue: under Slurm, a stop also requeues this job (``scontrol requeue``).
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -220,6 +228,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       cause; the cell is left unfinished and the same call continues it.
     OSError: a file of the study outside the cells (study.json, the report) could not be
       written (its path and errno); every finished cell is kept.
+    Stopped: SIGTERM or `stop_signal` arrived (everything saved; run again to continue).
   """
   if not isinstance(task, Task):
     raise ValueError(f"task={task!r}; accepted: a precision.study.Task")
@@ -234,6 +243,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   if cfg.sequential is not None and test != "t":
     raise ValueError(f"test={test!r} with seeds='auto'; accepted: test='t' (the sequential "
                      "rule's boundaries are for the paired t statistic)")
+  stops = _signals.stopping(out, (k, n), stop_signal, requeue)
   judge = _report.Judging(margin=margin, target=target, alpha=alpha, test=test)
   check_int("timing_rounds", timing_rounds, 0)
   check_int("telemetry", telemetry, 0)
@@ -249,17 +259,17 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
       "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps),
       **({"floor_nudge": _floor.describe(task)} if cfg.floor else {})})
-  if cfg.sequential is not None:
-    with _Compile_cache(out):
+  with _Compile_cache(out), stops:
+    if cfg.sequential is not None:
       cfg = _sequential_rounds(task, cfg, settings, out, progress, retry_failed)
-  mine = cfg.grid()[k - 1::n]
-  # An auto study's rounds retried its failed cells already (once).
-  retry = retry_failed and cfg.sequential is None
-  todo = [c for c in mine if _cells.to_run(out, c, retry)]
-  bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
-             "study" if n == 1 else f"study {k}/{n}", progress)
-  with _Compile_cache(out):
+    mine = cfg.grid()[k - 1::n]
+    # An auto study's rounds retried its failed cells already (once).
+    retry = retry_failed and cfg.sequential is None
+    todo = [c for c in mine if _cells.to_run(out, c, retry)]
+    bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
+               "study" if n == 1 else f"study {k}/{n}", progress)
     for cell in todo:
+      _signals.check()  # a stop between cells: nothing is open
       if bar is not None:
         bar.set_postfix_str(cell.name)
       _cells.run_cell(_task_of(task, cfg, cell), cell, settings, out,
@@ -334,6 +344,7 @@ def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettin
       continue  # a round finished before (a rerun): on to the next look
     bar = _bar(len(todo) * cfg.steps, 0, f"study: round to {cfg.seeds} seeds", progress)
     for cell in todo:
+      _signals.check()  # a stop between cells: nothing is open
       if bar is not None:
         bar.set_postfix_str(cell.name)
       ran.add(cell.name)
