@@ -165,7 +165,7 @@ def _fake_cells(monkeypatch, metric):
   from precision.study import _cells, _run
   ran = []
 
-  def run_cell(task, cell, settings, out, on_step=None):
+  def run_cell(task, cell, settings, out, on_step=None, retry_failed=False):
     del task, settings, on_step
     ran.append(cell.name)
     record = {"arm": cell.arm, "recipe": cell.recipe.name, "index": cell.index,

@@ -68,6 +68,9 @@ def command_of(ap: argparse.ArgumentParser, args: argparse.Namespace,
       out += [flag] if value else []
     elif isinstance(action, argparse._StoreFalseAction):  # pylint: disable=protected-access
       out += [] if value else [flag]
+    elif isinstance(action, argparse.BooleanOptionalAction):
+      if value is not None and value != action.default:  # --flag / --no-flag
+        out.append(action.option_strings[0] if value else action.option_strings[1])
     elif isinstance(action, argparse._AppendAction):  # pylint: disable=protected-access
       for item in value or ():
         out.append(f"{flag}={item}" if str(item).startswith("-") else flag)
@@ -78,7 +81,7 @@ def command_of(ap: argparse.ArgumentParser, args: argparse.Namespace,
         out += [] if str(value).startswith("-") else [str(value)]
     else:
       raise ValueError(f"option {flag} ({type(action).__name__}) cannot be written into a "
-                       "Slurm script; accepted: store, store_true/false and append options")
+                       "Slurm script; accepted: store, store_true/false, --x/--no-x and append options")
   return positional + out
 
 
