@@ -39,9 +39,11 @@ others pass theirs through unchanged.
 
 Not sites: convolutions (fp8 convolutions are out of scope: they run the policy's
 compute-dtype convolution), GEMMs inside custom_jvp/custom_vjp functions and Pallas
-kernels (run as written), integer and fp8 GEMMs, and the GEMMs of a gradient taken
-*inside* the traced function (their name stack says "transpose"): differentiate the
-autocast function from outside for fp8 backward GEMMs.
+kernels (run as written), integer and fp8 GEMMs. A function that takes its own gradient
+(GEMMs whose name stack says "transpose": ``autocast(jax.grad(f), recipe)``) is refused
+with an error naming ``jax.grad(autocast(f, recipe))``: its backward GEMMs are plain
+dot_generals that could only run in the compute dtype, not with the E5M2 gradients the
+recipe asks for.
 
 Scaling state: current, per_channel and block scaling need none (each GEMM scales with
 its operands' own amaxes), so plain `autocast(fn, recipe)` runs them. Delayed scaling
@@ -148,9 +150,10 @@ def _has_gemm(eqn, memo: dict) -> bool:
   return False
 
 
-def find_sites(env, jaxpr) -> list[Site]:
+def find_sites(env, jaxpr, backward_gemms: list | None = None) -> list[Site]:
   """Every forward candidate dot_general of `jaxpr`, in program order, with whether one
-  of its operands is a weight.
+  of its operands is a weight. `backward_gemms`, when given, receives the scope of every
+  candidate of a backward pass traced inside `jaxpr` (a name stack with "transpose").
 
   "Activation" values are the results of GEMMs and everything computed from them (loop
   carries count as activations); the function's inputs and constants, and what is
@@ -173,6 +176,8 @@ def find_sites(env, jaxpr) -> list[Site]:
           found.append((path + (j,), env.local(scope), where,
                         tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape),
                         stack, not (ins[0] and ins[1])))
+        elif backward_gemms is not None:
+          backward_gemms.append(env.local(scope) or "(top level)")
       name, p = eqn.primitive.name, eqn.params
       subs = sub_jaxprs(eqn)
       at = lambda k, kind: (raw, path + (j, k), where + ((kind,) if kind else ()),
@@ -337,13 +342,30 @@ def _refuse_integer_gemms(jaxpr, config) -> None:
         "'bf16_mixed') to run the integer GEMMs as written")
 
 
+def _refuse_inner_backward(config, scopes: list[str]) -> None:
+  """A function that takes its own gradient has backward GEMMs traced as plain
+  dot_generals: autocast cannot give them the fp8 GEMMs' E5M2 gradients (those come from
+  the fp8 GEMMs' own VJP), and running them in the compute dtype instead would not be the
+  recipe asked for. Refused, naming the composition that runs it."""
+  shown = ", ".join(dict.fromkeys(scopes))
+  raise ValueError(
+      f"autocast with fp8 (fp8.scaling={config.scaling!r}): the function takes its own "
+      f"gradient ({len(scopes)} backward-pass GEMM(s), scopes {shown:.120}), whose GEMMs "
+      "would run in the compute dtype, not fp8 with E5M2 gradients; differentiate the "
+      "autocast function instead: jax.grad(precision.autocast(f, recipe)), not "
+      "precision.autocast(jax.grad(f), recipe)")
+
+
 def prepare(env, jaxpr, config, stateful: bool, state: Any, check_state: bool = True
             ) -> tuple[Fp8Run, list[Decision]]:
   """The Fp8Run for evaluating `jaxpr` under `config`; a stateful run's `state` is checked
   against the sites chosen (unless `check_state` is False: choosing sites only)."""
   from precision.fp8._dot import Fp8Spec  # pylint: disable=g-import-not-at-top
   spec = Fp8Spec.from_config(config)
-  sites = find_sites(env, jaxpr)
+  backward_gemms: list = []
+  sites = find_sites(env, jaxpr, backward_gemms)
+  if backward_gemms:
+    _refuse_inner_backward(config, backward_gemms)
   if not sites:
     _refuse_integer_gemms(jaxpr, config)
   decisions = decide(env, sites, config, stateful)
