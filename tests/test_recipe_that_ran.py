@@ -59,3 +59,55 @@ def test_both_checks_catch_the_silent_bf16_backward(monkeypatch):
     prog.check(RECIPE)
   with pytest.raises(mp.audit.PrecisionViolation, match="no backward fp8 GEMM"):
     mp.audit.audit(g, params, x).check(RECIPE)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _step(params, state, x):
+  """A decoding-style step: a bf16 cache, f32 running statistics, an int counter."""
+  h = jax.nn.gelu(x @ params["w1"]) @ params["w2"]
+  new = {"cache": (state["cache"].astype(h.dtype) + h).astype(jnp.bfloat16),
+         "mean": 0.9 * state["mean"] + 0.1 * h.mean(0),
+         "count": state["count"] + 1}
+  return jnp.tanh(h).sum(), new
+
+
+def _state_args():
+  k = jax.random.split(jax.random.key(3), 3)
+  params = {"w1": jax.random.normal(k[0], (8, 16)), "w2": jax.random.normal(k[1], (16, 4))}
+  state = {"cache": jnp.zeros((3, 4), jnp.bfloat16), "mean": jnp.zeros((4,)),
+           "count": jnp.zeros((), jnp.int32)}
+  return params, state, jax.random.normal(k[2], (3, 8))
+
+
+def _dtypes(tree):
+  return jax.tree.map(lambda a: a.dtype, tree)
+
+
+@pytest.mark.parametrize("recipe", ["bf16_mixed", "p=f32,c=bf16,o=bf16", "fp8_hybrid",
+                                    pytest.param("mxfp8", marks=pytest.mark.slow),
+                                    pytest.param("f16_mixed", marks=pytest.mark.slow),
+                                    pytest.param("pure_bf16", marks=pytest.mark.slow),
+                                    pytest.param("nvfp4", marks=pytest.mark.slow)])
+def test_state_keeps_its_dtype_and_a_fori_loop_over_the_step_compiles(recipe):
+  params, state, x = _state_args()
+  want = _dtypes(jax.eval_shape(_step, params, state, x)[1])
+  if recipe == "fp8_hybrid":   # delayed scaling: its scaling state is carried too
+    g = mp.autocast(_step, recipe, fp8_state=True)
+    fp8 = g.init_state(params, state, x)
+    def body(i, c):
+      (_, new_state), new_fp8 = g(c[0], params, c[1], x)
+      return new_fp8, new_state
+
+    carry = (fp8, state)
+    (_, new), _ = g(fp8, params, state, x)
+  else:
+    g = mp.autocast(_step, recipe)
+    body = lambda i, s: g(params, s, x)[1]
+    carry = state
+    _, new = g(params, state, x)
+  assert _dtypes(new) == want == _dtypes(state)
+  looped = jax.jit(lambda c: jax.lax.fori_loop(0, 3, body, c))(carry)
+  looped = looped[1] if recipe == "fp8_hybrid" else looped
+  assert _dtypes(looped) == want and int(looped["count"]) == 3
