@@ -123,3 +123,163 @@ def test_grouped_gemm_values_match_numpy_per_group(recipe, dtype):
   np.testing.assert_allclose(np.asarray(dx), dx_ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(dw), dw_ref, rtol=1e-5, atol=1e-5)
   assert not np.any(np.asarray(dw)[GROUPS.index(0)])
+
+
+# ----------------------------------------------------------------------------- fp8
+
+FP8_CURRENT = mp.Recipe("fp8_current", "p=f32,c=bf16,o=f32",
+                        fp8=mp.Fp8Config(scaling="current"))
+
+
+def _moe_with_head(params, x, group_sizes):
+  """_moe with an output head: the expert GEMMs are neither the first GEMM (the router)
+  nor the last (the head), which fp8 recipes keep in the compute dtype by role."""
+  r, w1, w2 = params["router"], params["w1"], params["w2"]
+  gate = jax.nn.softmax(x @ r, axis=-1).max(axis=-1, keepdims=True)
+  h = jax.nn.gelu(lax.ragged_dot(x, w1, group_sizes))
+  y = lax.ragged_dot(h, w2, group_sizes) * gate
+  return jnp.mean((y @ params["head"]) ** 2)
+
+
+def _fp8_args():
+  params, x, gs = _args()
+  # 32-wide experts: whole MXFP8 blocks along K and N.
+  k = jax.random.split(jax.random.key(9), 3)
+  params = {"router": jax.random.normal(k[0], (32, E)),
+            "w1": jax.random.normal(k[1], (E, 32, 32)) / np.sqrt(32),
+            "w2": jax.random.normal(k[2], (E, 32, 32)) / np.sqrt(32),
+            "head": jnp.ones((32, 4)) / 32}
+  return params, jax.random.normal(jax.random.key(8), (T, 32)), gs
+
+
+def _expert_gemms(prog):
+  return [g for g in prog.gemms if "ragged_dot" in g.name or "mxfp8_gemm" in g.name]
+
+
+@pytest.mark.parametrize("recipe", [FP8_CURRENT, "mxfp8"], ids=["current", "mxfp8"])
+def test_expert_gemms_run_fp8_in_the_cuda_lowering(recipe):
+  params, x, gs = _fp8_args()
+  step = jax.grad(mp.autocast(_moe_with_head, recipe))
+  decisions = mp.fp8.autocast_gemms(_moe_with_head, recipe, params, x, gs)
+  assert [d.fp8 for d in decisions] == [False, True, True, False], decisions
+  prog = lower(step, params, x, gs, platform="cuda")
+  prog.check(recipe)
+  experts = _expert_gemms(prog)
+  if recipe == "mxfp8":  # emulated on the dequantised blocks: f32 x f32 in the scope
+    assert experts and {g.signature() for g in experts} == {("f32", "f32", "f32")}
+    assert {g.direction for g in experts} == {"fwd", "bwd"}
+  else:
+    fwd = {g.signature() for g in experts if g.direction == "fwd"}
+    bwd = {tuple(sorted(g.signature()[:2])) for g in experts if g.direction == "bwd"}
+    assert fwd == {("e4m3", "e4m3", "f32")} and bwd == {("e4m3", "e5m2")}, (fwd, bwd)
+
+
+def test_delayed_fp8_recipe_runs_its_expert_gemms_with_per_expert_scales():
+  """fp8_hybrid (delayed scaling): the grouped GEMMs hold no state (one scale per expert
+  group from this step's amaxes), the dense ones keep theirs."""
+  params, x, gs = _fp8_args()
+  g = mp.autocast(_moe_with_head, "fp8_hybrid", fp8_state=True)
+  state = g.init_state(params, x, gs)
+  assert state == {}   # router and head are kept high precision; the experts: stateless
+  grads = jax.grad(lambda p: g(state, p, x, gs)[0])(params)
+  assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(grads))
+  lower(jax.grad(lambda p: g(state, p, x, gs)[0]), params, platform="cuda").check(
+      "fp8_hybrid")
+
+
+def _fp8_round(a, fmt):
+  dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+  fmax = float(ml_dtypes.finfo(dt).max)
+  return np.asarray(np.clip(np.asarray(a, np.float32), -fmax, fmax).astype(dt), np.float64)
+
+
+def _scale(amax, fmt):
+  """precision.fp8's scale: 1 / ((fmax / amax) / 2**0) in f32; 1 for a zero amax."""
+  fmax = np.float32(ml_dtypes.finfo({"e4m3": ml_dtypes.float8_e4m3fn,
+                                      "e5m2": ml_dtypes.float8_e5m2}[fmt]).max)
+  amax = np.float32(amax)
+  return np.float32(1.0) if amax == 0 else np.float32(1.0) / (fmax / amax)
+
+
+def test_fp8_grouped_gemm_scales_per_expert_against_numpy():
+  """fp8_ragged_dot under current scaling: each group's rows, each expert's weight and
+  each group's cotangent rows quantised with their own scale (group 0's rows are 100x
+  the others: a per-tensor scale would flush the small groups' values), padding rows
+  past sum(group_sizes) (filled with 1e6 here) feeding no amax, f32 accumulation."""
+  from precision.fp8._dot import Fp8Spec
+  from precision.fp8._grouped import fp8_ragged_dot
+  spec = Fp8Spec.from_config(mp.Fp8Config(scaling="current"))
+  sizes = (5, 3, 0, 6)                       # 14 rows in groups, 2 padding rows
+  x = np.array(jax.random.normal(jax.random.key(1), (16, 8)), np.float32)
+  x[:5] *= 100.0
+  x[14:] = 1e6
+  w = np.asarray(jax.random.normal(jax.random.key(2), (E, 8, 4)), np.float32)
+  ct = np.asarray(jax.random.normal(jax.random.key(3), (16, 4)), np.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  f = lambda a, b: fp8_ragged_dot(a, b, gs, spec, out_dtype=jnp.float32)
+  y, vjp = jax.vjp(f, jnp.asarray(x), jnp.asarray(w))
+  dx, dw = vjp(jnp.asarray(ct))
+  y_ref, dx_ref = np.zeros((16, 4)), np.zeros((16, 8))
+  dw_ref = np.zeros((E, 8, 4))
+  start = 0
+  for g, n in enumerate(sizes):
+    rows = slice(start, start + n)
+    start += n
+    sw = _scale(np.abs(w[g]).max(), "e4m3")
+    qw = _fp8_round(w[g] / sw, "e4m3")
+    if n == 0:
+      continue
+    sx = _scale(np.abs(x[rows]).max(), "e4m3")
+    sg = _scale(np.abs(ct[rows]).max(), "e5m2")
+    qx = _fp8_round(x[rows] / sx, "e4m3")
+    qg = _fp8_round(ct[rows] / sg, "e5m2")
+    y_ref[rows] = (qx @ qw) * (float(sx) * float(sw))
+    dx_ref[rows] = (qg @ qw.T) * (float(sg) * float(sw))
+    dw_ref[g] = (qx.T @ qg) * (float(sx) * float(sg))
+  np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dx), dx_ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dw), dw_ref, rtol=1e-5, atol=1e-6)
+  assert not np.asarray(y)[14:].any() and not np.asarray(dx)[14:].any()
+
+
+# ----------------------------------------------------------------------------- telemetry
+
+
+def test_inspect_has_one_row_per_expert_group_checked_against_numpy():
+  """precision.numerics.inspect of a grouped GEMM under bf16_mixed: per nonempty expert
+  group, its rows of x (the f32 values autocast rounds to bf16), its expert's weight and
+  its rows of the result (the f32 accumulator of the rounded operands); the padding rows
+  past sum(group_sizes) are in no row."""
+  sizes = (5, 3, 0, 6)                       # 2 padding rows
+  x = jax.random.normal(jax.random.key(1), (T, D)) * 3.0
+  w = jax.random.normal(jax.random.key(2), (E, D, H))
+  gs = jnp.asarray(sizes, jnp.int32)
+  f = lambda x, w: lax.ragged_dot(x, w, gs)
+  report = mp.numerics.inspect(f, "bf16_mixed", x, w)
+  captured = mp.numerics.capture(f, "bf16_mixed", x, w)
+  rows = [r for r in report.rows if r.primitive == "ragged_dot_general"]
+  assert [(r.group, r.role) for r in rows] == [
+      (g, role) for g in (0, 1, 3) for role in ("lhs", "rhs", "out")]
+  xn, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  for r, c in zip(rows, [c for c in captured if c.info.primitive == "ragged_dot_general"]):
+    assert (r.group, r.role) == (c.info.group, c.info.role)
+    s, n = starts[r.group], sizes[r.group]
+    want = {"lhs": xn[s:s + n], "rhs": wn[r.group],
+            "out": _round(xn[s:s + n], ml_dtypes.bfloat16)
+            @ _round(wn[r.group], ml_dtypes.bfloat16)}[r.role]
+    assert r.shape == want.shape and r.size == want.size
+    np.testing.assert_allclose(c.value, want, rtol=1e-6, atol=1e-6)
+    assert r.amax == pytest.approx(float(np.abs(want).max()), rel=1e-6)
+    assert r.dtype == "bfloat16"
+  # The backward GEMMs: the ragged dlhs (group rows of the cotangent against the expert's
+  # weight) and the per-group drhs (the group's rows of x and of the cotangent).
+  loss = lambda x, w: jnp.sum(f(x, w) ** 2)
+  bwd = [r for r in mp.numerics.inspect(jax.grad(loss, (0, 1)), "bf16_mixed", x, w).rows
+         if r.primitive == "ragged_dot_general" and r.direction == "bwd"]
+  got = {(r.group, r.role, r.shape) for r in bwd}
+  for g in (0, 1, 3):
+    n = sizes[g]
+    assert {(g, "cotangent", (n, H)), (g, "rhs", (D, H)), (g, "out", (n, D)),
+            (g, "lhs", (n, D)), (g, "out", (D, H))} <= got, got
+  assert all(r.group is not None for r in bwd)
