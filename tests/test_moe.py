@@ -283,3 +283,71 @@ def test_inspect_has_one_row_per_expert_group_checked_against_numpy():
     assert {(g, "cotangent", (n, H)), (g, "rhs", (D, H)), (g, "out", (n, D)),
             (g, "lhs", (n, D)), (g, "out", (D, H))} <= got, got
   assert all(r.group is not None for r in bwd)
+
+
+# ----------------------------------------------------------------------------- attention
+
+B, S, HEADS, HD = 2, 8, 2, 16
+
+
+def _attention(q, k, v):
+  out = jax.nn.dot_product_attention(q, k, v, implementation="xla", is_causal=True)
+  return jnp.mean(out ** 2)
+
+
+def _qkv():
+  ks = jax.random.split(jax.random.key(4), 3)
+  return tuple(jax.random.normal(k, (B, S, HEADS, HD)) for k in ks)
+
+
+@pytest.mark.parametrize("recipe", sorted(mp.PRESETS))
+def test_fused_attention_under_every_recipe(recipe):
+  """jax.nn.dot_product_attention (XLA): its q.k and p.v GEMMs forward and backward in
+  the compute dtype with f32 accumulation in the CUDA lowering, its softmax statistics
+  (max, exp, sum) in f32; fp8 recipes keep attention's activation x activation GEMMs in
+  the compute dtype; fp32 bit-identical."""
+  q, k, v = _qkv()
+  if recipe == "fp32":
+    want = jax.jit(jax.value_and_grad(_attention, (0, 1, 2)))(q, k, v)
+    got = jax.jit(jax.value_and_grad(mp.autocast(_attention, recipe), (0, 1, 2)))(q, k, v)
+    assert_bit_identical(got, want, "fp32 attention")
+    return
+  r = mp.get_recipe(recipe)
+  if r.fp8 is not None and r.fp8.scaling == "delayed":
+    g = mp.autocast(_attention, r, fp8_state=True)
+    state = g.init_state(q, k, v)
+    step = jax.grad(lambda q, k, v: g(state, q, k, v)[0], (0, 1, 2))
+  else:
+    step = jax.grad(mp.autocast(_attention, r), (0, 1, 2))
+  compute = {"bfloat16": "bf16", "float16": "f16"}[np.dtype(r.policy.compute_dtype).name]
+  prog = lower(step, q, k, v, platform="cuda")
+  assert set(prog.gemm_signatures()) == {(compute, compute, "f32")}, prog.gemm_signatures()
+  assert {g.direction for g in prog.gemms} == {"fwd", "bwd"}
+  report = mp.audit.audit(step, q, k, v)
+  softmax = {(o.primitive, o.dtype) for o in report.ops
+             if o.primitive in ("reduce_max", "exp", "reduce_sum") and o.direction == "fwd"}
+  assert softmax == {("reduce_max", "float32"), ("exp", "float32"),
+                     ("reduce_sum", "float32")}, softmax
+  if r.fp8 is None:
+    report.check(r)
+
+
+def test_a_pallas_kernel_inside_autocast_is_reported_as_opaque():
+  from jax.experimental import pallas as pl
+
+  def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+  def f(x, w):
+    h = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                       interpret=True)(x @ w)
+    return jnp.sum(h @ w)
+
+  x, w = jnp.ones((8, 8)), jnp.ones((8, 8)) / 8
+  g = mp.autocast(f, "bf16_mixed")
+  report = mp.audit.audit(g, x, w)
+  (kernel,) = report.opaque
+  assert kernel.primitive == "pallas_call" and kernel.operands == "f32[8,8]"
+  assert "opaque kernel" in str(report) and "pallas_call" in str(report)
+  report.check("bf16_mixed")   # the GEMMs around it follow the recipe
+  assert float(g(x, w)) == pytest.approx(float(f(x, w)), rel=1e-2)

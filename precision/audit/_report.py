@@ -51,6 +51,9 @@ class PrecisionReport:
     bytes_by_dtype: bytes of all intermediate values by dtype name (an upper bound on
       activation memory: before XLA fusion and buffer reuse).
     has_while: a while loop was walked once (its trip count is unknown to the jaxpr).
+    opaque: OpaqueRecord per kernel call (Pallas) whose numerics the policy does not
+      govern: reported, with its operand dtypes, instead of passing unseen (`check`
+      does not fail on it: the kernel's dtypes are its author's).
   """
 
   name: str
@@ -59,6 +62,7 @@ class PrecisionReport:
   converts: tuple[ConvertRecord, ...]
   bytes_by_dtype: Mapping[str, int]
   has_while: bool = False
+  opaque: tuple = ()
 
   # --------------------------------------------------------------------- summaries
   @property
