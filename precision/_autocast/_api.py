@@ -545,8 +545,10 @@ def autocast(fn: Callable, policy: Any,
   function gives it, under every recipe, so loops over the step compile.
 
   What each op does (see precision._autocast._rules):
-    * dot_general / conv_general_dilated (jnp.matmul, @, einsum, Flax layers, attention
-      written by hand): operands cast to the compute dtype, f32 accumulation
+    * dot_general / conv_general_dilated / ragged_dot_general (jnp.matmul, @, einsum,
+      Flax layers, attention written by hand or jax.nn.dot_product_attention's XLA
+      implementation, an MoE layer's `lax.ragged_dot` expert GEMMs): operands cast to
+      the compute dtype, f32 accumulation
       (`preferred_element_type=float32`), result in the compute dtype; their backward
       GEMMs round the cotangent once to the compute dtype and accumulate in f32 too; the
       gradient of each operand comes back in that operand's own dtype (f32 params: f32
@@ -574,8 +576,11 @@ def autocast(fn: Callable, policy: Any,
       the first and the last GEMM of `fn` (`Fp8Config.keep_first_last`, default on), the
       scopes matching `Fp8Config.keep_high_precision`, scopes an override gives its own
       policy, and GEMMs of two activations (attention's q.k and p.v): those run the
-      policy GEMM. Convolutions stay in the compute dtype (fp8 convolutions and fp8
-      attention are not supported). Current, per-channel and block scaling need
+      policy GEMM. Grouped GEMMs (`lax.ragged_dot`) scale per expert group, from each
+      step's amaxes (no state). Convolutions stay in the compute dtype (fp8
+      convolutions and fp8 attention are not supported). A function that takes its own
+      gradient is refused under fp8 (its backward GEMMs could not get E5M2 gradients):
+      differentiate the autocast function instead, `jax.grad(autocast(f, recipe))`. Current, per-channel and block scaling need
       no state; delayed scaling needs `fp8_state=True`. Which GEMM does what:
       `precision.fp8.autocast_gemms(fn, recipe, *args)`; the rules in detail:
       precision._autocast._fp8.
