@@ -13,6 +13,8 @@ tests/test_compat.py first.
 |---------------------------------------------------|--------------------------------------------|
 | jax._src.lax.lax._dot_general_transpose_lhs/rhs   | backward GEMMs of the policy dot_general   |
 | jax._src.lax.convolution._conv_general_dilated_transpose_lhs/rhs | backward convolutions       |
+| jax._src.lax.lax._ragged_dot_general_transpose_rule | backward grouped GEMMs (ragged_dot)      |
+| jax._src.interpreters.ad.UndefinedPrimal          | the operand that rule differentiates for   |
 | jax._src.source_info_util.user_context / current_name_stack | autocast keeps each op's source  |
 |                                                   | line and name stack (the audit reads them)  |
 | jax._src.xla_bridge.backends_are_initialized      | the faithful-rounding switch refuses late   |
@@ -41,6 +43,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("jax._src.lax.lax", "_dot_general_transpose_rhs"),
     ("jax._src.lax.convolution", "_conv_general_dilated_transpose_lhs"),
     ("jax._src.lax.convolution", "_conv_general_dilated_transpose_rhs"),
+    ("jax._src.lax.lax", "_ragged_dot_general_transpose_rule"),
+    ("jax._src.interpreters.ad", "UndefinedPrimal"),
     ("jax._src.source_info_util", "user_context"),
     ("jax._src.source_info_util", "current_name_stack"),
     ("jax._src.xla_bridge", "backends_are_initialized"),
@@ -81,6 +85,19 @@ def conv_transpose_lhs(*args, **kwargs):
 def conv_transpose_rhs(*args, **kwargs):
   return resolve("jax._src.lax.convolution", "_conv_general_dilated_transpose_rhs")(
       *args, **kwargs)
+
+
+def ragged_dot_general_transpose(ct, lhs, rhs, group_sizes, **params):
+  """JAX's transpose of ragged_dot_general; `lhs`/`rhs`: an `undefined(aval)` for the
+  operand whose cotangent is wanted, the value for the other. Returns (lhs_bar, rhs_bar,
+  None), None for the defined operand."""
+  return resolve("jax._src.lax.lax", "_ragged_dot_general_transpose_rule")(
+      ct, lhs, rhs, group_sizes, **params)
+
+
+def undefined(aval):
+  """The linear (undefined) operand of a JAX transpose rule that checks for one."""
+  return resolve("jax._src.interpreters.ad", "UndefinedPrimal")(aval)
 
 
 def user_context(traceback, name_stack):

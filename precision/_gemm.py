@@ -269,6 +269,86 @@ def policy_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, comput
               out, out_sharding, bwd)
 
 
+# ----------------------------------------------------------------------------- grouped GEMMs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _ragged(x, w, group_sizes, dims, precision, compute, x_dtype, w_dtype, out_dtype, bwd):
+  return _ragged_fwd(x, w, group_sizes, dims, precision, compute, x_dtype, w_dtype,
+                     out_dtype, bwd)[0]
+
+
+def _ragged_fwd(x, w, group_sizes, dims, precision, compute, x_dtype, w_dtype, out_dtype,
+                bwd):
+  xc, wc = x.astype(compute), w.astype(compute)
+  mm = lambda a, b: lax.ragged_dot_general(a, b, group_sizes, dims, precision=precision,
+                                           preferred_element_type=_accumulator(compute))
+  # XLA:CPU expands a grouped GEMM into masked dense dot_generals of every layout; the CPU
+  # branch upcasts (exact products, f32 accumulation either way: see _on_platform).
+  out = _on_platform(mm, xc, wc) if _below_f32(compute) else mm(xc, wc)
+  return (_result(out, out_dtype, bwd.compute),
+          (_residuals((x, w), compute, bwd.compute, (xc, wc)), group_sizes))
+
+
+def _ragged_bwd(dims, precision, compute, x_dtype, w_dtype, out_dtype, bwd, res, g):
+  del precision, compute, out_dtype
+  (xr, wr), group_sizes = res
+  xc, wc = xr.astype(bwd.compute), wr.astype(bwd.compute)
+  gc = g.astype(bwd.compute)  # rounded once: the ragged dlhs and the per-group drhs
+  kw = dict(ragged_dot_dimension_numbers=dims, precision=bwd.precision,
+            preferred_element_type=_accumulator(bwd.compute), group_offset=None)
+  ux = _compat.undefined(_target_aval(xc, x_dtype))
+  uw = _compat.undefined(_target_aval(wc, w_dtype))
+  t = _compat.ragged_dot_general_transpose
+  run = _on_platform if _below_f32(bwd.compute) else (lambda fn, a, b: fn(a, b))
+  dx = run(lambda g_, w_: t(g_, ux, w_, group_sizes, **kw)[0], gc, wc)
+  dw = run(lambda g_, x_: t(g_, x_, uw, group_sizes, **kw)[1], gc, xc)
+  return dx, dw, None   # group sizes are integers: no cotangent
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def policy_ragged_dot_general(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                              ragged_dot_dimension_numbers, compute_dtype: Any,
+                              precision=None, out_dtype: Any = None, *,
+                              backward_dtype: Any = None, backward_precision: Any = _SAME
+                              ) -> jax.Array:
+  """`lax.ragged_dot_general` (a grouped GEMM: one weight per expert group of lhs rows)
+  with both operands in `compute_dtype` and f32 accumulation, forward and backward.
+
+  As `policy_dot_general`, for the ragged case: the forward grouped GEMM and both
+  gradient GEMMs (the ragged dlhs, one group's cotangent rows against that group's
+  weight, and the per-group drhs, each group's rows contracted into its own weight
+  gradient) take compute-dtype operands (the cotangent rounded once) and accumulate in
+  f32; gradients are returned in the operands' own dtypes. The backward reuses JAX's
+  transpose rule of ragged_dot_general, so its dimension numbers are JAX's.
+
+  Args:
+    lhs, rhs: floating arrays (lhs [m, k] rows sorted by group, rhs [g, k, n] for
+      `lax.ragged_dot`'s dimension numbers).
+    group_sizes: integer array, the rows of each group.
+    ragged_dot_dimension_numbers: a `lax.RaggedDotDimensionNumbers`.
+    compute_dtype, precision, out_dtype, backward_dtype, backward_precision: as
+      `policy_dot_general`.
+  Returns:
+    An array of `out_dtype` (default compute_dtype); see policy_dot_general for a wider
+    backward dtype.
+  """
+  compute = np.dtype(compute_dtype)
+  _check_compute(compute)
+  out = compute if out_dtype is None else np.dtype(out_dtype)
+  dims = ragged_dot_dimension_numbers
+  bwd = _backward(compute, backward_dtype, precision, backward_precision)
+  if not _below_f32(compute) and not _below_f32(bwd.compute) and (
+      bwd.compute == compute and bwd.precision == precision):
+    res = lax.ragged_dot_general(lhs.astype(compute), rhs.astype(compute), group_sizes,
+                                 dims, precision=precision, preferred_element_type=compute)
+    return res.astype(out)
+  return _ragged(lhs, rhs, group_sizes, dims, precision, compute, np.dtype(lhs.dtype),
+                 np.dtype(rhs.dtype), out, bwd)
+
+
 # ----------------------------------------------------------------------------- convolution
 
 

@@ -767,3 +767,133 @@ def scan_over_layers(recipe):
 
 
 CASES["scan_over_layers_nnx"] = scan_over_layers
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+EXPERTS, TOP_K, CAPACITY = 4, 2, 6
+
+
+class MixtralMoE(nnx.Module):
+  """Mixtral's sparse MoE block as MaxText writes it (sorted dispatch): a router, top-k
+  of its logits, softmax over the k, tokens sorted by expert and run through SwiGLU
+  experts with `lax.ragged_dot`, combined back with a scatter-add; plus Switch's
+  load-balancing loss over the router's probabilities."""
+
+  def __init__(self, d, hidden, *, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.router = nnx.Linear(d, EXPERTS, use_bias=False, rngs=rngs)
+    self.w_gate = nnx.Param(init(rngs.params(), (EXPERTS, d, hidden)))
+    self.w_up = nnx.Param(init(rngs.params(), (EXPERTS, d, hidden)))
+    self.w_down = nnx.Param(init(rngs.params(), (EXPERTS, hidden, d)))
+
+  def __call__(self, x):
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    logits = self.router(x)
+    top, experts = jax.lax.top_k(logits, TOP_K)
+    weights = jax.nn.softmax(top, axis=-1)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat)
+    token = order // TOP_K
+    xs = x[token]
+    sizes = jnp.bincount(flat, length=EXPERTS).astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, self.w_gate[...], sizes)) * jax.lax.ragged_dot(
+        xs, self.w_up[...], sizes)
+    ys = jax.lax.ragged_dot(h, self.w_down[...], sizes) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros_like(x).at[token].add(ys)
+    probs = jax.nn.softmax(logits, axis=-1)
+    load = jnp.mean(jax.nn.one_hot(experts[:, 0], EXPERTS), axis=0)
+    aux = EXPERTS * jnp.sum(load * jnp.mean(probs, axis=0))
+    return out.reshape(shape), aux
+
+
+class MixtralStyleLM(nnx.Module):
+  """A Mixtral-style decoder: RMSNorm, causal jax.nn.dot_product_attention with
+  nnx.Linear projections, a top-2 MoE block per layer, an untied head."""
+
+  def __init__(self, *, rngs, n_layers=2, d=D, heads=HEADS):
+    self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+    self.norms = nnx.List([nnx.RMSNorm(d, rngs=rngs) for _ in range(2 * n_layers)])
+    self.qkv = nnx.List([nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)
+                         for _ in range(n_layers)])
+    self.out = nnx.List([nnx.Linear(d, d, use_bias=False, rngs=rngs) for _ in range(n_layers)])
+    self.moe = nnx.List([MixtralMoE(d, 2 * d, rngs=rngs) for _ in range(n_layers)])
+    self.head = nnx.Linear(d, VOCAB, use_bias=False, rngs=rngs)
+    self.heads = heads
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    b, t, d = x.shape
+    aux = 0.0
+    for i in range(len(self.qkv)):
+      q, k, v = jnp.split(self.qkv[i](self.norms[2 * i](x)), 3, axis=-1)
+      heads = lambda a: a.reshape(b, t, self.heads, d // self.heads)
+      att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+      x = x + self.out[i](att.reshape(b, t, d))
+      y, a = self.moe[i](self.norms[2 * i + 1](x))
+      x, aux = x + y, aux + a
+    return self.head(x), aux
+
+
+def mixtral_style(recipe):
+  tokens = _tokens()
+
+  def loss_of(m):
+    logits, aux = m(tokens[:, :-1])
+    return _xent(logits, tokens[:, 1:]) + 0.01 * aux
+
+  return _nnx_build(lambda: MixtralStyleLM(rngs=nnx.Rngs(0)), loss_of, recipe)
+
+
+class SwitchMoE(nn.Module):
+  """A Switch Transformer MoE layer (top-1, capacity-padded einsum dispatch, as T5X and
+  Mesh TensorFlow write it): tokens beyond an expert's capacity are dropped, unfilled
+  capacity slots are zero rows."""
+
+  hidden: int = 2 * D
+
+  @nn.compact
+  def __call__(self, x):
+    t, d = x.shape
+    probs = jax.nn.softmax(nn.Dense(EXPERTS, use_bias=False, name="router")(x), axis=-1)
+    expert = jnp.argmax(probs, axis=-1)
+    gate = jnp.max(probs, axis=-1)
+    onehot = jax.nn.one_hot(expert, EXPERTS)
+    position = (jnp.cumsum(onehot, axis=0) * onehot).sum(axis=-1).astype(jnp.int32) - 1
+    dispatch = (onehot[:, :, None] * jax.nn.one_hot(position, CAPACITY)[:, None, :])
+    combine = dispatch * gate[:, None, None]
+    w_in = self.param("w_in", nn.initializers.lecun_normal(), (EXPERTS, d, self.hidden))
+    w_out = self.param("w_out", nn.initializers.lecun_normal(), (EXPERTS, self.hidden, d))
+    xe = jnp.einsum("tec,td->ecd", dispatch, x)
+    h = nn.gelu(jnp.einsum("ecd,edh->ech", xe, w_in))
+    y = jnp.einsum("tec,ecd->td", combine, jnp.einsum("ech,ehd->ecd", h, w_out))
+    aux = EXPERTS * jnp.sum(jnp.mean(onehot, axis=0) * jnp.mean(probs, axis=0))
+    return y, aux
+
+
+class SwitchLM(nn.Module):
+  """Embed, LayerNorm, a Switch MoE layer with a residual, a Dense head."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, D)(tokens)
+    b, t, d = x.shape
+    y, aux = SwitchMoE()(nn.LayerNorm()(x).reshape(b * t, d))
+    x = x + y.reshape(b, t, d)
+    return nn.Dense(VOCAB)(nn.LayerNorm()(x)), aux
+
+
+def switch_linen(recipe):
+  tokens = _tokens()
+
+  def loss_of(out):
+    logits, aux = out
+    return _xent(logits, tokens[:, 1:]) + 0.01 * aux
+
+  return _linen_build(SwitchLM(), tokens[:, :-1], recipe, loss_of)
+
+
+CASES["mixtral_ragged_moe_nnx"] = mixtral_style
+CASES["switch_capacity_moe_linen"] = switch_linen

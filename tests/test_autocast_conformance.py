@@ -8,8 +8,9 @@ The rule (docs/architecture.md, "Whose dtype wins"):
     compute dtype, f32 accumulation, precision re-derived for those operands), a GEMM that
     asked for an f32 result gets it, and the recipe's fp32 ops (and the backward sums of
     broadcasts) run in f32 whatever the code cast to;
-  * results are cast to the output dtype except those declared state (`state_outputs`),
-    which keep their traced dtypes; constants come back as jax.Arrays.
+  * results are cast to the output dtype except state (new values of arguments, or the
+    positions `state_outputs` names), which keeps its traced dtypes; constants come back
+    as jax.Arrays.
 """
 
 import functools
@@ -198,9 +199,13 @@ def test_state_outputs_keep_their_traced_dtypes_and_round_trip_a_loop():
   assert out.dtype == BF16                                  # the result: the output dtype
   assert jax.tree.map(lambda a: a.dtype, new) == jax.tree.map(lambda a: a.dtype, state)
   assert int(looped["count"]) == 3
-  # Without state_outputs every floating result takes the output dtype (bf16 mean).
+  # By default the new value of an argument is state too; state_outputs=() declares
+  # none, and every floating result takes the output dtype (bf16 mean).
   with _user():
-    _, cast = mp.autocast(_stateful, "p=f32,c=bf16,o=bf16")(params, state, x)
+    _, auto = mp.autocast(_stateful, "p=f32,c=bf16,o=bf16")(params, state, x)
+    _, cast = mp.autocast(_stateful, "p=f32,c=bf16,o=bf16", state_outputs=())(
+        params, state, x)
+  assert jax.tree.map(lambda a: a.dtype, auto) == jax.tree.map(lambda a: a.dtype, state)
   assert cast["mean"].dtype == BF16
   with _user():
     plain = jax.jit(_stateful)(params, state, x)

@@ -4,6 +4,7 @@ the divergence, within the stated replay bound, with a baseline bit-identical to
 original run; a divergence no single group explains, one no group explains, checkpoints
 of other runs, and bad arguments refused."""
 
+import json
 import math
 
 import jax
@@ -36,13 +37,16 @@ def _grad_scaled(y, s):
   return y * s + jax.lax.stop_gradient(y * (1.0 - s))
 
 
-def make_loss(tiny_grad=(), big=(), unscoped_big=False):
+def make_loss(tiny_grad=(), big=(), unscoped_big=False, big_on_batch=()):
   """A 4-layer MLP, layer i in jax.named_scope(f"l{i}"). Layers in `tiny_grad` scale the
   cotangent of their output by GRAD_SCALE (forward unchanged: the f16 backward GEMMs see
   an underflowing cotangent); layers in `big` multiply their input and their kernel by
   WIDE and their output by 1/WIDE**2 (the same function in exact arithmetic: the f16
   forward GEMM's result overflows, its backward GEMMs stay in range); `unscoped_big` adds
-  a GEMM outside any scope before the head whose kernel is BIG times too large."""
+  a GEMM outside any scope before the head whose kernel is BIG times too large; layers in
+  `big_on_batch` multiply their kernel by WIDE and their input by the batch's "wide"
+  (1: the GEMM result is ~WIDE times too large and fits in f16; WIDE: it overflows), so
+  the fault appears only at the steps whose batch says so."""
 
   def loss(params, batch):
     h = batch["x"]
@@ -53,6 +57,8 @@ def make_loss(tiny_grad=(), big=(), unscoped_big=False):
         w, b = params[name]["w"], params[name]["b"]
         if name in big:
           h = ((h * WIDE) @ (w * WIDE)) * (1.0 / WIDE ** 2) + b
+        elif name in big_on_batch:
+          h = ((h * batch["wide"]) @ (w * WIDE)) * (1.0 / (WIDE * batch["wide"])) + b
         else:
           h = h @ w + b
         if name in tiny_grad:
@@ -108,7 +114,7 @@ def step_maker(loss, lr=3e-2):
   return make_step, tx_of
 
 
-def original_run(tmp_path, loss, recipe, seed=0):
+def original_run(tmp_path, loss, recipe, seed=0, data=None):
   """Trains SAVE_AT steps, saves a checkpoint, continues REPLAY steps (the original
   run's losses). Returns (make_step, initial state, ckpt dir, replayed batches, losses)."""
   with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
@@ -116,7 +122,7 @@ def original_run(tmp_path, loss, recipe, seed=0):
     params = init_params()
     state0 = mp.TrainState(params, tx_of(recipe).init(params), {}, None)
     step = make_step(recipe, None)
-    data = batches(SAVE_AT + REPLAY)
+    data = batches(SAVE_AT + REPLAY) if data is None else data
     state = state0
     for b in data[:SAVE_AT]:
       state, _ = step(state, b)
@@ -194,6 +200,36 @@ def test_overflowing_activation_is_found(tmp_path, layer, kinds):
   assert (worst.scope, worst.direction, worst.dtype) == (layer, "fwd", "float16")
   assert worst.overflow > 0
   assert f"layer '{layer}' forward GEMMs" in str(result) and "overflow" in str(result)
+
+
+@pytest.mark.slow
+def test_overflow_from_a_later_step_is_named_at_that_step(tmp_path):
+  """l2's forward GEMM result overflows f16 from the second replayed step on (the first
+  is finite). The original losses went through a JSON log, as a study's steps.jsonl:
+  every NaN comes back as +NaN, whatever sign the replay's NaN has; the baseline still
+  counts as bit-identical (a NaN equals a NaN). The culprit's worst tensor is read at
+  the step where the baseline leaves tolerance: the overflowing l2 forward GEMM result,
+  not a finite operand ranked by SQNR on the first batch."""
+  recipe = mp.get_recipe("f16_mixed")
+  loss = make_loss(big_on_batch=("l2",))
+  data = [dict(b, wide=jnp.float32(WIDE if i > SAVE_AT else 1.0))
+          for i, b in enumerate(batches(SAVE_AT + REPLAY))]
+  make_step, state0, ckpt, replayed, losses = original_run(tmp_path, loss, recipe,
+                                                           data=data)
+  assert np.isfinite(losses[0]) and not np.isfinite(losses[1:]).any()
+  logged = json.loads(json.dumps(losses))
+  result = run_bisect(make_step, recipe, state0, ckpt, replayed, logged, loss=loss)
+  assert result.baseline_bit_identical is True and result.baseline_mismatch is None
+  assert result.culprits == ("l2:fwd",) and result.single
+  assert result.telemetry_step == 2
+  worst = result.telemetry[0]
+  assert (worst.scope, worst.direction, worst.role, worst.dtype) == (
+      "l2", "fwd", "out", "float16")
+  assert worst.overflow > 0
+  text = str(result)
+  assert "baseline bit-identical" in text
+  assert "worst GEMM tensor (replayed step 2): l2, forward GEMM out, float16:" in text
+  assert "overflow" in text
 
 
 @pytest.mark.slow

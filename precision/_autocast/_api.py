@@ -40,6 +40,7 @@ from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, PRESETS, Recipe, get_
 from precision._autocast import _fp8
 from precision._autocast import _overrides
 from precision._autocast import _interpret
+from precision._autocast import _rules as R
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,8 +439,11 @@ def _refuse_f64_without_x64(spec: AutocastSpec) -> None:
             "after jax.config.update('jax_enable_x64', True)")
 
 
-def _state_positions(state_outputs: Any) -> tuple[int, ...]:
-  """`state_outputs` of autocast as a sorted tuple of result positions."""
+def _state_positions(state_outputs: Any) -> tuple[int, ...] | None:
+  """`state_outputs` of autocast as a sorted tuple of result positions (None: found per
+  call, `_new_values_of_arguments`)."""
+  if state_outputs is None:
+    return None
   given = (state_outputs,) if isinstance(state_outputs, int) else state_outputs
   try:
     positions = tuple(given)
@@ -454,9 +458,59 @@ def _state_positions(state_outputs: Any) -> tuple[int, ...]:
   return tuple(sorted(set(positions)))
 
 
-def _results(traced: Traced, spec: AutocastSpec, state: tuple[int, ...]) -> Any:
-  """The wrapped function's result: floating leaves in the output dtype, except the
-  `state` positions of a tuple result, whose leaves keep their traced dtypes."""
+def _signature(tree: Any, dtypes=None):
+  """(tree structure, ((shape, dtype) per leaf)) of a container of arrays (`dtypes`: the
+  leaves' dtypes, default their own); None for a bare array (an activation shaped like
+  an input is no state), a leaf that is not an array, or no floating leaf with at least
+  one dimension."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if not leaves or jax.tree_util.treedef_is_leaf(treedef) or not all(
+      hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+    return None
+  dtypes = [np.dtype(x.dtype) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            else x.dtype for x in leaves] if dtypes is None else dtypes
+  if not any(np.ndim(x) and R.is_float(d) for x, d in zip(leaves, dtypes)):
+    return None
+  return treedef, tuple((tuple(np.shape(x)), d) for x, d in zip(leaves, dtypes))
+
+
+def _new_values_of_arguments(traced: Traced, args: tuple, kwargs: dict) -> list[bool]:
+  """Per output leaf (tree_leaves order): whether it belongs to a new value of an
+  argument - the whole result, or an element of a tuple/list result, that is a
+  container (dict, tuple, list, dataclass or other pytree node, not a bare array) with
+  the tree structure, shapes and traced dtypes of a whole positional or keyword argument
+  (a Haiku/Equinox state, a KV cache of per-layer arrays, a loop carry)."""
+  wanted = {sig for sig in map(_signature, [*args, *kwargs.values()]) if sig is not None}
+  out = traced.outputs
+  n = len(jax.tree_util.tree_leaves(out))
+  dtypes = list(traced.traced_dtypes)
+  mask = [False] * n
+  if not wanted:
+    return mask
+  if _signature(out, dtypes) in wanted:
+    return [True] * n
+  if isinstance(out, (tuple, list)):
+    start = 0
+    for item in out:
+      k = len(jax.tree_util.tree_leaves(item))
+      if _signature(item, dtypes[start:start + k]) in wanted:
+        mask[start:start + k] = [True] * k
+      start += k
+  return mask
+
+
+def _results(traced: Traced, spec: AutocastSpec, state: tuple[int, ...] | None,
+             args: tuple = (), kwargs: dict | None = None) -> Any:
+  """The wrapped function's result: floating leaves in the output dtype, except state,
+  whose leaves keep their traced dtypes: the `state` positions of a tuple result, or
+  (`state` None) the new values of arguments (`_new_values_of_arguments`)."""
+  if state is None:
+    mask = _new_values_of_arguments(traced, args, kwargs or {})
+    leaves, tree = jax.tree_util.tree_flatten(traced.outputs)
+    kept = jax.tree_util.tree_leaves(traced.outputs_in_traced_dtypes())
+    return jax.tree_util.tree_unflatten(tree, [
+        k if m else cast_floating(x, spec.policy.output_dtype)
+        for x, k, m in zip(leaves, kept, mask)])
   if not state:
     return cast_floating(traced.outputs, spec.policy.output_dtype)
   out = traced.outputs
@@ -475,14 +529,19 @@ def _results(traced: Traced, spec: AutocastSpec, state: tuple[int, ...]) -> Any:
 def autocast(fn: Callable, policy: Any,
              overrides: Mapping[Any, Any] | None = None, *,
              fp32_ops=None, fp8_state: bool = False,
-             state_outputs: int | tuple[int, ...] = ()) -> Callable:
+             state_outputs: int | tuple[int, ...] | None = None) -> Callable:
   """`fn` under a precision policy: a function with the same signature whose GEMMs run
   on compute-dtype operands with f32 accumulation, forward and backward, whose fp32 ops
-  run in f32, and whose floating results are returned in the policy's output dtype.
+  run in f32, and whose floating results are returned in the policy's output dtype -
+  except state: a result that is a new value of an argument (a cache, running
+  statistics, a loop carry; see `state_outputs`) comes back in the dtype the unmodified
+  function gives it, under every recipe, so loops over the step compile.
 
   What each op does (see precision._autocast._rules):
-    * dot_general / conv_general_dilated (jnp.matmul, @, einsum, Flax layers, attention
-      written by hand): operands cast to the compute dtype, f32 accumulation
+    * dot_general / conv_general_dilated / ragged_dot_general (jnp.matmul, @, einsum,
+      Flax layers, attention written by hand or jax.nn.dot_product_attention's XLA
+      implementation, an MoE layer's `lax.ragged_dot` expert GEMMs): operands cast to
+      the compute dtype, f32 accumulation
       (`preferred_element_type=float32`), result in the compute dtype; their backward
       GEMMs round the cotangent once to the compute dtype and accumulate in f32 too; the
       gradient of each operand comes back in that operand's own dtype (f32 params: f32
@@ -510,8 +569,11 @@ def autocast(fn: Callable, policy: Any,
       the first and the last GEMM of `fn` (`Fp8Config.keep_first_last`, default on), the
       scopes matching `Fp8Config.keep_high_precision`, scopes an override gives its own
       policy, and GEMMs of two activations (attention's q.k and p.v): those run the
-      policy GEMM. Convolutions stay in the compute dtype (fp8 convolutions and fp8
-      attention are not supported). Current, per-channel and block scaling need
+      policy GEMM. Grouped GEMMs (`lax.ragged_dot`) scale per expert group, from each
+      step's amaxes (no state). Convolutions stay in the compute dtype (fp8
+      convolutions and fp8 attention are not supported). A function that takes its own
+      gradient is refused under fp8 (its backward GEMMs could not get E5M2 gradients):
+      differentiate the autocast function instead, `jax.grad(autocast(f, recipe))`. Current, per-channel and block scaling need
       no state; delayed scaling needs `fp8_state=True`. Which GEMM does what:
       `precision.fp8.autocast_gemms(fn, recipe, *args)`; the rules in detail:
       precision._autocast._fp8.
@@ -546,12 +608,19 @@ def autocast(fn: Callable, policy: Any,
       `precision.fp8.merge_state_grads` (`precision.fp8.autocast_value_and_grad` does
       both). Required for delayed scaling; allowed for every scaling (the state then
       records each GEMM's last amax, scale, saturation and underflow counts).
-    state_outputs: positions of `fn`'s tuple result that are state (Haiku's
-      `apply(params, state, rng, x) -> (out, new_state)`: 1; an Equinox step returning
-      `(out, eqx.nn.State)`: 1): their floating leaves keep the dtypes the traced program
-      gave them (a bf16 cache stays bf16, f32 running statistics stay f32), so the state
-      round-trips through `lax.scan`/`fori_loop` carries and the next call; the other
-      results are cast to the output dtype. Default: none (every floating result is).
+    state_outputs: which results are state, whose floating leaves keep the dtypes the
+      unmodified function gives them under every recipe (a bf16 cache stays bf16, f32
+      running statistics stay f32), so that state round-trips through
+      `lax.scan`/`fori_loop` carries and the next call; every other floating result is
+      cast to the output dtype. Default (None): the new values of arguments are state -
+      the whole result, or an element of a tuple/list result, whose tree structure,
+      shapes and dtypes are those of a whole argument, when both are containers (Haiku's
+      `apply(params, state, rng, x) -> (out, new_state)`, an Equinox step returning
+      `(out, state)`, a decoding step returning `(logits, cache)` with a dict or list
+      cache, a loop body returning its tuple carry). A bare array is never recognised (an
+      activation often has an input's shape): name it by position. Positions (an int or
+      a tuple: 1 for Haiku's apply) name the state elements of a tuple result
+      explicitly; () declares no state (every floating result in the output dtype).
   Returns:
     The wrapped function. Results that are constants of the traced program (a flag
     `jnp.array(False)`, a counter reset to 0) are returned as jax.Arrays, as a plain
@@ -588,7 +657,7 @@ def autocast(fn: Callable, policy: Any,
     @functools.wraps(fn)
     def with_state(fp8, *args, **kwargs):
       traced = run(spec, fn, args, kwargs, fp8_state=fp8)
-      return _results(traced, spec, state), traced.fp8_state
+      return _results(traced, spec, state, args, kwargs), traced.fp8_state
 
     with_state.autocast_spec = spec
     with_state.init_state = init_state
@@ -603,7 +672,7 @@ def autocast(fn: Callable, policy: Any,
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    return _results(run(spec, fn, args, kwargs), spec, state)
+    return _results(run(spec, fn, args, kwargs), spec, state, args, kwargs)
 
   wrapped.autocast_spec = spec
   return wrapped

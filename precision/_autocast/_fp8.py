@@ -37,11 +37,20 @@ returns the new one as a result. The sites of a cond's branches get their states
 every branch and out of every branch: the taken branch's sites return new state, the
 others pass theirs through unchanged.
 
+Grouped GEMMs (`lax.ragged_dot`, an MoE layer's expert GEMMs in sorted dispatch) are
+sites too, by the same rules (the expert weights are the weight operand): they run
+through `precision.fp8._grouped` with one scale per expert group, from this step's
+amaxes under every per-tensor scaling (no state: an expert's rows change with the
+routing every step), or microscaled blocks within each group under mxfp8; under nvfp4
+they stay in the compute dtype.
+
 Not sites: convolutions (fp8 convolutions are out of scope: they run the policy's
 compute-dtype convolution), GEMMs inside custom_jvp/custom_vjp functions and Pallas
-kernels (run as written), integer and fp8 GEMMs, and the GEMMs of a gradient taken
-*inside* the traced function (their name stack says "transpose"): differentiate the
-autocast function from outside for fp8 backward GEMMs.
+kernels (run as written), integer and fp8 GEMMs. A function that takes its own gradient
+(GEMMs whose name stack says "transpose": ``autocast(jax.grad(f), recipe)``) is refused
+with an error naming ``jax.grad(autocast(f, recipe))``: its backward GEMMs are plain
+dot_generals that could only run in the compute dtype, not with the E5M2 gradients the
+recipe asks for.
 
 Scaling state: current, per_channel and block scaling need none (each GEMM scales with
 its operands' own amaxes), so plain `autocast(fn, recipe)` runs them. Delayed scaling
@@ -89,6 +98,7 @@ class Site(NamedTuple):
   rhs_shape: tuple[int, ...]
   stack: tuple[int, ...] = ()
   weight: bool = True
+  grouped: bool = False   # a grouped GEMM (ragged_dot): per-expert scales, no state
 
   @property
   def key(self) -> str:
@@ -124,9 +134,19 @@ def sub_jaxprs(eqn) -> list[tuple[int, Any, str | None]]:
   return []  # custom_jvp_call (primal and rule are separate programs), platform cond
 
 
+def is_grouped(eqn) -> bool:
+  """A ragged_dot_general (a grouped MoE GEMM) with lax.ragged_dot's dimension numbers
+  and no group offset: it runs through `precision.fp8._grouped` (per-expert scales)."""
+  from precision.fp8 import _grouped  # pylint: disable=g-import-not-at-top
+  p = eqn.params
+  return (eqn.primitive.name == "ragged_dot_general" and p.get("group_offset") is None
+          and _grouped.is_basic(p["ragged_dot_dimension_numbers"]))
+
+
 def is_candidate(eqn) -> bool:
-  """A dot_general whose traced operands are both float and neither is fp8."""
-  if eqn.primitive.name != "dot_general":
+  """A dot_general (or a grouped GEMM: `is_grouped`) whose traced operands are both
+  float and neither is fp8."""
+  if eqn.primitive.name != "dot_general" and not is_grouped(eqn):
     return False
   dts = [R.as_dtype(v.aval.dtype) for v in eqn.invars[:2]]
   return all(R.is_float(d) and not R.is_fp8(d) for d in dts)
@@ -148,9 +168,10 @@ def _has_gemm(eqn, memo: dict) -> bool:
   return False
 
 
-def find_sites(env, jaxpr) -> list[Site]:
+def find_sites(env, jaxpr, backward_gemms: list | None = None) -> list[Site]:
   """Every forward candidate dot_general of `jaxpr`, in program order, with whether one
-  of its operands is a weight.
+  of its operands is a weight. `backward_gemms`, when given, receives the scope of every
+  candidate of a backward pass traced inside `jaxpr` (a name stack with "transpose").
 
   "Activation" values are the results of GEMMs and everything computed from them (loop
   carries count as activations); the function's inputs and constants, and what is
@@ -172,7 +193,9 @@ def find_sites(env, jaxpr) -> list[Site]:
         if not backward:
           found.append((path + (j,), env.local(scope), where,
                         tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape),
-                        stack, not (ins[0] and ins[1])))
+                        stack, not (ins[0] and ins[1]), is_grouped(eqn)))
+        elif backward_gemms is not None:
+          backward_gemms.append(env.local(scope) or "(top level)")
       name, p = eqn.primitive.name, eqn.params
       subs = sub_jaxprs(eqn)
       at = lambda k, kind: (raw, path + (j, k), where + ((kind,) if kind else ()),
@@ -198,8 +221,8 @@ def find_sites(env, jaxpr) -> list[Site]:
     return [is_act(v) for v in jx.outvars]
 
   walk(jaxpr, "", (), (), (), [False] * len(jaxpr.invars))
-  return [Site(path, i, scope, where, ls, rs, stack, weight)
-          for i, (path, scope, where, ls, rs, stack, weight) in enumerate(found)]
+  return [Site(path, i, scope, where, ls, rs, stack, weight, grouped)
+          for i, (path, scope, where, ls, rs, stack, weight, grouped) in enumerate(found)]
 
 
 class Decision(NamedTuple):
@@ -231,6 +254,13 @@ def decide(env, sites: list[Site], config, stateful: bool) -> list[Decision]:
     elif not s.weight:
       out.append(Decision(s, False, "both operands are activations (attention's q.k, p.v): "
                           "no weight operand (compute dtype)"))
+    elif s.grouped and config.scaling == "nvfp4":
+      out.append(Decision(s, False, "a grouped GEMM under nvfp4 (its tensor scale and "
+                          "weight tiles are not defined per expert): compute dtype"))
+    elif s.grouped:
+      out.append(Decision(s, True, "fp8, grouped GEMM: one scale per expert group from "
+                          "this step's amaxes (no state)" if config.scaling != "mxfp8"
+                          else "mxfp8, grouped GEMM: blocks within expert groups"))
     elif stateful and set(_NO_STATE) & set(s.where):
       out.append(Decision(s, False, "inside a while body: explicit fp8 state is not "
                           "threaded through while loops (compute dtype)"))
@@ -248,13 +278,15 @@ class Fp8Run:
   state_in: Mapping[str, Any] | None
   state_out: dict = dataclasses.field(default_factory=dict)
   stacks: dict = dataclasses.field(default_factory=dict)   # key -> scan lengths around it
+  grouped: frozenset = frozenset()  # paths of the grouped sites (stateless)
 
 
 def threaded_keys(run: Fp8Run | None, prefix: tuple) -> list[str]:
   """Keys of the explicit-state sites under `prefix` (a container's sub-jaxpr path)."""
   if run is None or run.state_in is None:
     return []
-  return [k for path, k in run.selected.items() if path[:len(prefix)] == prefix]
+  return [k for path, k in run.selected.items()
+          if path[:len(prefix)] == prefix and path not in run.grouped]
 
 
 @contextlib.contextmanager
@@ -337,22 +369,40 @@ def _refuse_integer_gemms(jaxpr, config) -> None:
         "'bf16_mixed') to run the integer GEMMs as written")
 
 
+def _refuse_inner_backward(config, scopes: list[str]) -> None:
+  """A function that takes its own gradient has backward GEMMs traced as plain
+  dot_generals: autocast cannot give them the fp8 GEMMs' E5M2 gradients (those come from
+  the fp8 GEMMs' own VJP), and running them in the compute dtype instead would not be the
+  recipe asked for. Refused, naming the composition that runs it."""
+  shown = ", ".join(dict.fromkeys(scopes))
+  raise ValueError(
+      f"autocast with fp8 (fp8.scaling={config.scaling!r}): the function takes its own "
+      f"gradient ({len(scopes)} backward-pass GEMM(s), scopes {shown:.120}), whose GEMMs "
+      "would run in the compute dtype, not fp8 with E5M2 gradients; differentiate the "
+      "autocast function instead: jax.grad(precision.autocast(f, recipe)), not "
+      "precision.autocast(jax.grad(f), recipe)")
+
+
 def prepare(env, jaxpr, config, stateful: bool, state: Any, check_state: bool = True
             ) -> tuple[Fp8Run, list[Decision]]:
   """The Fp8Run for evaluating `jaxpr` under `config`; a stateful run's `state` is checked
   against the sites chosen (unless `check_state` is False: choosing sites only)."""
   from precision.fp8._dot import Fp8Spec  # pylint: disable=g-import-not-at-top
   spec = Fp8Spec.from_config(config)
-  sites = find_sites(env, jaxpr)
+  backward_gemms: list = []
+  sites = find_sites(env, jaxpr, backward_gemms)
+  if backward_gemms:
+    _refuse_inner_backward(config, backward_gemms)
   if not sites:
     _refuse_integer_gemms(jaxpr, config)
   decisions = decide(env, sites, config, stateful)
   selected = {d.site.path: d.site.key for d in decisions if d.fp8}
-  stacks = {d.site.key: d.site.stack for d in decisions if d.fp8}
+  grouped = frozenset(d.site.path for d in decisions if d.fp8 and d.site.grouped)
+  stacks = {d.site.key: d.site.stack for d in decisions if d.fp8 and not d.site.grouped}
   if stateful and check_state:
-    _check_state(state, list(selected.values()), spec, stacks)
+    _check_state(state, list(stacks), spec, stacks)
   state_in = dict(state) if stateful and state is not None else None
-  return Fp8Run(spec, selected, state_in, stacks=stacks), decisions
+  return Fp8Run(spec, selected, state_in, stacks=stacks, grouped=grouped), decisions
 
 
 def dot(env, eqn, invals, path: tuple):
@@ -366,6 +416,9 @@ def dot(env, eqn, invals, path: tuple):
   pref = eqn.params.get("preferred_element_type")
   explicit = pref is not None and np.dtype(pref).itemsize > max(lt.itemsize, rt.itemsize)
   out_dtype = np.dtype(pref) if explicit else np.dtype(env.policy.compute_dtype)
+  if path in run.grouped:
+    from precision.fp8._grouped import fp8_ragged_dot  # pylint: disable=g-import-not-at-top
+    return fp8_ragged_dot(invals[0], invals[1], invals[2], run.spec, out_dtype=out_dtype)
   state = run.spec.init_state() if run.state_in is None else run.state_in[key]
   out, new = fp8_dot_general(invals[0], invals[1], eqn.params["dimension_numbers"], state,
                              run.spec, out_dtype=out_dtype)
@@ -382,7 +435,7 @@ def init_states(config, decisions: list[Decision]) -> dict:
   spec = Fp8Spec.from_config(config)
   out = {}
   for d in decisions:
-    if d.fp8:
+    if d.fp8 and not d.site.grouped:
       fresh = spec.init_state()
       out[d.site.key] = type(fresh)(*(type(op)(*(
           jnp.broadcast_to(x, d.site.stack + x.shape) for x in op)) for op in fresh))

@@ -196,6 +196,11 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
           invals[0], invals[1], p["dimension_numbers"], plan.compute,
           precision=fwd_prec, out_sharding=p.get("out_sharding"), out_dtype=plan.out,
           backward_dtype=plan.backward, backward_precision=bwd_prec)
+    if name == "ragged_dot_general":
+      return _gemm.policy_ragged_dot_general(
+          invals[0], invals[1], invals[2], p["ragged_dot_dimension_numbers"], plan.compute,
+          precision=fwd_prec, out_dtype=plan.out, backward_dtype=plan.backward,
+          backward_precision=bwd_prec)
     return _gemm.policy_conv(invals[0], invals[1],
                              _gemm.conv_params_of(p)._replace(precision=fwd_prec),
                              plan.compute, plan.out, out_sharding=p.get("out_sharding"),

@@ -4,8 +4,8 @@ Every equation of the traced program falls in one class:
 
 | class            | primitives                                   | under the policy                       |
 |------------------|----------------------------------------------|----------------------------------------|
-| GEMM             | dot_general, conv_general_dilated            | operands in the compute dtype, f32     |
-|                  |                                              | accumulation forward AND backward      |
+| GEMM             | dot_general, conv_general_dilated,           | operands in the compute dtype, f32     |
+|                  | ragged_dot_general (grouped / MoE GEMMs)     | accumulation forward AND backward      |
 |                  |                                              | (precision.flax's custom-VJP GEMMs),   |
 |                  |                                              | result in the compute dtype            |
 | f32 op           | the primitives of the recipe's fp32_ops      | operands below f32 upcast, computed    |
@@ -39,7 +39,7 @@ from precision import _gemm
 
 _F32 = np.dtype(np.float32)
 
-GEMMS = frozenset(("dot_general", "conv_general_dilated"))
+GEMMS = frozenset(("dot_general", "conv_general_dilated", "ragged_dot_general"))
 
 # Operand positions whose float dtypes must agree; None: every operand.
 PROMOTING: dict[str, tuple[int, ...] | None] = {
@@ -185,6 +185,8 @@ def gemm_plan(eqn, lhs_dtype: np.dtype, rhs_dtype: np.dtype, compute: np.dtype,
     return None
   if any(is_fp8(d) for d in (lt, rt, lhs_dtype, rhs_dtype)):
     return None  # an fp8 GEMM (precision.fp8) already scaled its operands
+  if eqn.params.get("group_offset") is not None:
+    return None  # a sharded grouped GEMM's offset: JAX has no transpose for it
   if as_written(compute) and as_written(backward_compute):
     return None
   keep = backward or as_written(compute) or _states_its_numerics(eqn, lt, rt)

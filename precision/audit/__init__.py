@@ -32,6 +32,7 @@ from precision.audit._report import PrecisionReport
 from precision.audit._report import PrecisionViolation
 from precision.audit._walk import ConvertRecord
 from precision.audit._walk import GemmRecord
+from precision.audit._walk import OpaqueRecord
 from precision.audit._walk import OpRecord
 from precision.audit._walk import trace
 from precision.audit._walk import walk
@@ -42,13 +43,14 @@ def audit(fn, *args, **kwargs) -> PrecisionReport:
   and returns its PrecisionReport: every dot_general/convolution with source location,
   operand, accumulation and output dtypes and FLOPs (forward and backward, inside pjit,
   custom_vjp/jvp, scan (times its length), while, cond and remat); every reduction and
-  exp/log with its dtype; every convert; bytes of intermediates by dtype. Nothing runs:
-  only abstract tracing."""
+  exp/log with its dtype; every convert; bytes of intermediates by dtype; every opaque
+  kernel (a Pallas call: its operand and result dtypes; autocast runs it as written).
+  Nothing runs: only abstract tracing."""
   closed = trace(fn, *args, **kwargs)
   w = walk(closed.jaxpr)
   name = getattr(fn, "__name__", None) or type(fn).__name__
   return PrecisionReport(name, tuple(w.gemms), tuple(w.ops), tuple(w.converts),
-                         dict(w.bytes_by_dtype), w.has_while)
+                         dict(w.bytes_by_dtype), w.has_while, tuple(w.opaque))
 
 
 class _CallableAudit(types.ModuleType):
@@ -72,6 +74,7 @@ __all__ = [
     "LoweredGemm",
     "LoweredProgram",
     "OpRecord",
+    "OpaqueRecord",
     "PrecisionReport",
     "PrecisionViolation",
     "audit",

@@ -67,6 +67,10 @@ def precision_map(report) -> str:
     rows.append(("converts", _counter_str(conv, lambda k: f"{k[0]}->{k[1]}")))
   mem = sorted(report.bytes_by_dtype.items(), key=lambda kv: -kv[1])
   rows.append(("intermediates", ", ".join(f"{short_dtype(k)} {_si(v, 'B')}" for k, v in mem)))
+  for k in report.opaque:
+    rows.append(("opaque kernel", f"{k.primitive}{' ' + k.name if k.name else ''} "
+                 f"({k.direction}, {k.location or '?'}): {k.operands} -> {k.results}, "
+                 "run as written"))
   if report.has_while:
     rows.append(("note", "a while loop was counted once (unknown trip count)"))
   width = max(len(r[0]) for r in rows)

@@ -157,19 +157,46 @@ def _subjaxprs(eqn):
   return out
 
 
+class OpaqueRecord(NamedTuple):
+  """A kernel the jaxpr cannot see the numerics of as ordinary ops (a Pallas call): its
+  operands and results as they reach it. autocast runs it as written (operands in the
+  dtypes it was traced with); the ops inside its body are walked as written too."""
+  primitive: str        # "pallas_call", ...
+  name: str             # the kernel's name when the primitive records one, else ""
+  operands: str         # "f32[8,8], bf16[8]"
+  results: str
+  count: int
+  scope: str
+  direction: str
+  location: str
+
+
+# Primitives whose body is a kernel, not a program of JAX ops the policy governs.
+OPAQUE_PRIMITIVES = ("pallas_call", "triton_kernel_call", "mosaic_gpu_call")
+
+
 class Walk(NamedTuple):
   gemms: list
   ops: list
   converts: list
   bytes_by_dtype: dict
   has_while: bool
+  opaque: list
 
 
 def walk(jaxpr, mult: int = 1, acc: Walk | None = None, outer: str = "") -> Walk:
   """Records every equation of `jaxpr` and of its sub-jaxprs, recursively."""
-  acc = acc or Walk([], [], [], {}, False)
+  acc = acc or Walk([], [], [], {}, False, [])
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
+    if name in OPAQUE_PRIMITIVES:
+      scope, direction = _scope(eqn, outer)
+      kernel = eqn.params.get("name_and_src_info", eqn.params.get("name")) or ""
+      acc.opaque.append(OpaqueRecord(
+          name, str(getattr(kernel, "name", kernel) or ""),
+          ", ".join(_short(v.aval) for v in eqn.invars if hasattr(v.aval, "dtype")),
+          ", ".join(_short(v.aval) for v in eqn.outvars if hasattr(v.aval, "dtype")),
+          mult, scope, direction, _location(_frames(eqn))))
     # A generic `reduce` (lax.reduce with a non-standard init) holds its combiner as a
     # jaxpr: record it as an accumulating reduction instead of walking the combiner.
     subs = [] if name == "reduce" else _subjaxprs(eqn)

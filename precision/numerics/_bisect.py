@@ -230,7 +230,11 @@ def _compare(base: Replay, original: Sequence[float] | None, steps: int):
     raise ValueError(f"original_losses holds {orig.size} losses; accepted: at least "
                      f"steps={steps}")
   mine = np.asarray(base.losses, np.float32)
-  differ = np.flatnonzero(mine.view(np.uint32) != orig.view(np.uint32))
+  # Bit for bit, except that two non-finite losses at the same step are the same fault:
+  # a NaN's sign and payload depend on the op that made it (x86 makes -NaN from inf - inf)
+  # and are lost where losses are logged (JSON writes every NaN as NaN).
+  differ = np.flatnonzero((mine.view(np.uint32) != orig.view(np.uint32))
+                          & ~(~np.isfinite(mine) & ~np.isfinite(orig)))
   if differ.size == 0:
     return True, None
   i = int(differ[0])
@@ -258,7 +262,8 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
 
   Replays `steps` steps from `state` (or the checkpoint restored into it):
     1. the baseline: `recipe` as is; compared bit for bit with `original_losses` (the
-       run's losses of those steps) when given;
+       run's losses of those steps) when given, two non-finite losses of one step
+       counting as equal (a NaN's sign and payload are not kept by a JSON log);
     2. the reference: the recipe's f32 counterpart (compute dtype f32; params, output,
        optimizer and loss scaling unchanged, so the state steps under it as is);
     3. the recipe with groups promoted to f32 by autocast overrides, searched as below.
@@ -275,7 +280,10 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
   recipe's policy. "l0:fwd" promotes its forward GEMMs and the scope's other ops (f32
   ops, elementwise), whose backward follows their forward. The culprit's telemetry rows
   are its scope's GEMM tensors of its direction. GEMMs outside any scope cannot be
-  promoted (`BisectResult.unscoped` counts their tensors).
+  promoted (`BisectResult.unscoped` counts their tensors). The telemetry is read at the
+  first replayed step where the baseline leaves tolerance (its state replayed again up to
+  there): a fault that appears only at a later step (an overflow the first batch does not
+  reach) is seen where it happens; rows rank overflow and non-finite values above SQNR.
 
   Algorithm, n groups (twice the scopes searched):
     * the baseline is within tolerance: stop (2 replays).
@@ -386,11 +394,7 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
       restored = restore_checked(checkpoint, state, recipe, step, seed)
       state, start = restored.state, restored.step
   batches = _take(batches, steps)
-  report = None
-  if loss is not None:
-    scale = optim.loss_scale_of(state.opt_state)
-    grad = jax.grad(lambda p, b: jnp.asarray(loss(p, b)).astype(jnp.float32) * scale)
-    report = _inspect.inspect(grad, recipe, state.params, batches[0])
+  report = _inspect_at(loss, recipe, state, batches[0]) if loss is not None else None
   found = expand(dict.fromkeys(r.scope for r in report.rows if r.scope)) if report else ()
   if groups is None:
     if not found:
@@ -410,7 +414,38 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
   ref_ok = all(math.isfinite(x) for x in rp.done[1].losses)
   if ref_ok and not base.within:
     culprits = _search(rp, groups)
-  telemetry = _telemetry(report, culprits) if culprits and report is not None else ()
+  telemetry, at = (), None
+  if culprits and report is not None:
+    at = _first_divergence(base, rp.ref, tolerance)
+    if at:   # the culprit's tensors where the baseline leaves tolerance, not before
+      report = _inspect_at(loss, recipe, _replayed_state(rp, at), batches[at])
+    telemetry = _telemetry(report, culprits)
   return BisectResult(recipe.name, reference.name, start, steps, tolerance, groups,
                       culprits, len(culprits) == 1, not base.within, bool(culprits),
-                      ident, mismatch, tuple(rp.done), telemetry, unscoped)
+                      ident, mismatch, tuple(rp.done), telemetry, unscoped,
+                      None if at is None else at + 1)
+
+
+def _inspect_at(loss, recipe: Recipe, state, batch):
+  """`inspect` of the scaled loss's gradient (as the step differentiates it) at `state`
+  and `batch`."""
+  scale = optim.loss_scale_of(state.opt_state)
+  grad = jax.grad(lambda p, b: jnp.asarray(loss(p, b)).astype(jnp.float32) * scale)
+  return _inspect.inspect(grad, recipe, state.params, batch)
+
+
+def _first_divergence(base: Replay, ref: np.ndarray, tolerance: float) -> int:
+  """The index of the first replayed step whose baseline loss leaves `tolerance` of the
+  reference's (a non-finite loss always does)."""
+  gap = _gaps(np.asarray(base.losses, np.float64), ref.astype(np.float64))
+  return int(np.flatnonzero(gap > tolerance)[0])
+
+
+def _replayed_state(rp: _Replayer, n: int):
+  """The state after the baseline's first `n` replayed steps (the baseline run again:
+  every step is deterministic, so it is the state the baseline replay had there)."""
+  step = rp.make_step(rp.recipe, None)
+  state = _copy(rp.state)
+  for batch in rp.batches[:n]:
+    state, _ = step(state, batch)
+  return state

@@ -59,9 +59,13 @@ class BisectResult:
     baseline_mismatch: the first differing step, one line (None when identical or not
       checked).
     replays: every Replay, in the order run.
-    telemetry: the culprits' worst GEMM tensors (TensorStats of `inspect` on the restored
-      state and the first replayed batch), worst first; () without culprits or a loss.
+    telemetry: the culprits' worst GEMM tensors (TensorStats of `inspect` at the first
+      replayed step where the baseline leaves tolerance: its state and batch), worst
+      first (overflow, then non-finite values, ..., then SQNR); () without culprits or a
+      loss.
     unscoped: GEMM tensors of the loss outside any scope (no override reaches them).
+    telemetry_step: the replayed step (1-based) the telemetry was read at; None without
+      telemetry.
   """
 
   recipe: str
@@ -79,6 +83,7 @@ class BisectResult:
   replays: tuple
   telemetry: tuple = ()
   unscoped: int = 0
+  telemetry_step: int | None = None
 
   @property
   def n_replays(self) -> int:
@@ -115,7 +120,8 @@ class BisectResult:
             "the max loss gap from "
             f"{base.max_gap:.3g} to {fixed.max_gap:.3g}")
     if self.telemetry:
-      text += "; its worst GEMM tensor: " + describe_row(self.telemetry[0])
+      at = f" (replayed step {self.telemetry_step})" if self.telemetry_step else ""
+      text += f"; its worst GEMM tensor{at}: " + describe_row(self.telemetry[0])
     return head + ident + text + "."
 
 

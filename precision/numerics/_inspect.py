@@ -204,7 +204,7 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
 
   policy, unvisited, _ = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
   order = {"lhs": 0, "rhs": 1, "out": 2}
-  rows.sort(key=lambda r: (r.index, order[r.operand]))
+  rows.sort(key=lambda r: (r.index, -1 if r.group is None else r.group, order[r.operand]))
   name = getattr(fn, "__name__", None) or type(fn).__name__
   return _report.NumericsReport(name, policy, tuple(rows), unvisited)
 
@@ -225,5 +225,6 @@ def capture(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> tuple:
 
   _run(fn, recipe_or_policy, args, kwargs, on_tensor)
   order = {"lhs": 0, "rhs": 1, "out": 2}
-  out.sort(key=lambda c: (c.info.index, order[c.info.operand]))
+  out.sort(key=lambda c: (c.info.index, -1 if c.info.group is None else c.info.group,
+                          order[c.info.operand]))
   return tuple(out)

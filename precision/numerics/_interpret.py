@@ -39,7 +39,7 @@ from precision import _compat
 from precision.audit import _walk
 from precision.numerics import _stats
 
-GEMMS = ("dot_general", "conv_general_dilated")
+GEMMS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 # Layout-only ops an accumulator may pass through before the program rounds it.
 _LAYOUT = ("transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p")
 # Ops that only move (or re-round) the values of their first operand: their result keeps
@@ -68,6 +68,7 @@ class TensorInfo:
   iteration: tuple    # iteration numbers of the enclosing scans/while loops, outermost first
   recomputed: bool    # a forward GEMM recomputed in the backward pass (jax.checkpoint)
   block_axes: tuple = ()  # the axes the MXFP8 what-if's blocks run along (see TensorStats)
+  group: int | None = None  # a grouped GEMM's expert group (see TensorStats)
 
 
 class _Meta(NamedTuple):
@@ -95,6 +96,7 @@ class Recorder:
     self.pending: dict[int, tuple[TensorInfo, Any]] = {}
     self.cpu = jax.default_backend() == "cpu"
     self.unvisited: list[str] = []   # higher-order primitives with GEMMs not entered
+    self.out_groups: dict[int, list] = {}   # grouped GEMM index -> [(group, out index)]
     self._checked: set[str] = set()
 
   # ----------------------------------------------------------------------- evaluation
@@ -252,14 +254,25 @@ class Recorder:
                 location=_walk._location(frames), iteration=tuple(iteration),
                 recomputed=recomputed)
     axes = _contraction_axes(eqn)
-    for side, x, m, ax in (("lhs", lhs, inmetas[0], axes[0]), ("rhs", rhs, inmetas[1], axes[1])):
+    groups = group_slices(eqn, invals) if eqn.primitive.name == "ragged_dot_general" else None
+    if groups is not None:
+      self.out_groups[index] = [(g, oi) for g, _, _, oi in groups]
+    for k, (side, x, m, ax) in enumerate((("lhs", lhs, inmetas[0], axes[0]),
+                                          ("rhs", rhs, inmetas[1], axes[1]))):
       dtype = np.dtype(x.dtype)
       if not _stats.is_float(dtype):
         continue
       role = "cotangent" if (bwd and m.bwd) else side
       value = m.pre if m.pre is not None else x
-      self._emit(TensorInfo(role=role, operand=side, shape=tuple(x.shape), dtype=dtype.name,
-                            block_axes=ax, **base), value, dtype)
+      info = TensorInfo(role=role, operand=side, shape=tuple(x.shape), dtype=dtype.name,
+                        block_axes=ax, **base)
+      if groups is None:
+        self._emit(info, value, dtype)
+        continue
+      for g, *where, _ in groups:   # one row per expert group: its rows, its weight
+        part = value[where[k]]
+        self._emit(dataclasses.replace(info, shape=tuple(part.shape), group=g,
+                                       block_axes=_kept_axes(ax, where[k])), part, dtype)
     if _stats.is_float(out_dtype):
       last = (out.ndim - 1,) if out.ndim else ()
       self.pending[index] = (TensorInfo(role="out", operand="out", shape=tuple(out.shape),
@@ -267,7 +280,58 @@ class Recorder:
     return out
 
   def _emit(self, info: TensorInfo, value, dtype: np.dtype) -> None:
-    self.on_tensor(info, value, dtype)
+    groups = self.out_groups.get(info.index) if info.operand == "out" else None
+    if groups is None:
+      self.on_tensor(info, value, dtype)
+      return
+    for g, where in groups:
+      part = value[where]
+      self.on_tensor(dataclasses.replace(info, shape=tuple(part.shape), group=g,
+                                         block_axes=_kept_axes(info.block_axes, where)),
+                     part, dtype)
+
+
+def group_slices(eqn, invals) -> list | None:
+  """A grouped GEMM's (ragged_dot_general's) expert groups, from its concrete group
+  sizes: [(group, lhs index, rhs index, out index)], one per nonempty group, each index a
+  tuple of slices/ints selecting that group's part (its rows of lhs, its weight or its
+  rows of the other operand, its part of the result). Rows past the last group (a
+  capacity buffer's padding) are in no group. None when the sizes are traced values (a
+  jitted telemetry: one row for the whole tensor) or for a ragged batch dimension."""
+  sizes = invals[2]
+  if isinstance(sizes, jax.core.Tracer) or np.ndim(sizes) != 1:
+    return None
+  sizes = np.asarray(sizes).astype(np.int64)
+  dims = eqn.params["ragged_dot_dimension_numbers"]
+  (lc, rc), (lb, _) = dims.dot_dimension_numbers
+  (r,) = dims.lhs_ragged_dimensions
+  nl, nr, no = np.ndim(invals[0]), np.ndim(invals[1]), len(eqn.outvars[0].aval.shape)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  full = lambda n: [slice(None)] * n
+  out = []
+  for g, (s, n) in enumerate(zip(starts, sizes)):
+    if n <= 0:
+      continue
+    li, ri, oi = full(nl), full(nr), full(no)
+    li[r] = slice(int(s), int(s + n))
+    if r in lc:      # ragged contraction (a weight gradient): out [G, ...], group g's
+      ri[rc[list(lc).index(r)]] = slice(int(s), int(s + n))
+      oi = [g] + full(no - 1)
+    elif r not in lb:   # ragged rows: the rhs group dimension picks expert g
+      (gd,) = dims.rhs_group_dimensions
+      ri[gd] = g
+      free = [d for d in range(nl) if d not in lc and d not in lb]
+      oi[len(lb) + free.index(r)] = slice(int(s), int(s + n))
+    else:
+      return None
+    out.append((g, tuple(li), tuple(ri), tuple(oi)))
+  return out
+
+
+def _kept_axes(axes: tuple, where: tuple) -> tuple:
+  """`axes` of a tensor renumbered for its part `where` (an int index drops its axis)."""
+  dropped = [i for i, w in enumerate(where) if isinstance(w, (int, np.integer))]
+  return tuple(a - sum(d < a for d in dropped) for a in axes if a not in dropped)
 
 
 def _moved_pre(eqn, invals, pre):
@@ -290,6 +354,9 @@ def _contraction_axes(eqn) -> tuple:
   each operand (its spatial window is contracted too, but not along one tensor axis)."""
   if eqn.primitive.name == "dot_general":
     (lc, rc), _ = eqn.params["dimension_numbers"]
+    return tuple(int(a) for a in lc), tuple(int(a) for a in rc)
+  if eqn.primitive.name == "ragged_dot_general":
+    (lc, rc), _ = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
     return tuple(int(a) for a in lc), tuple(int(a) for a in rc)
   dn = eqn.params.get("dimension_numbers")
   if dn is None:   # lax's default layout: NC... lhs, OI... rhs

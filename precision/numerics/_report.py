@@ -44,6 +44,12 @@ class TensorStats:
       for a GEMM operand the axes the GEMM contracts (a dot_general's contracting
       dimensions, in its dimension_numbers' order; a convolution's input-feature axis),
       for "out" its last axis.
+    group: for a grouped GEMM (ragged_dot_general, an MoE layer's expert GEMMs) inspected
+      eagerly, the expert group the row measures: that group's rows of the ragged
+      operand, its expert's weight (or its rows of the other operand, for the weight
+      gradient) and its part of the result, one row per nonempty group (rows past the
+      last group, a capacity buffer's padding, are in none); None for other GEMMs and
+      under a jitted telemetry (the group sizes are traced: one row per tensor).
 
   The values measured, x (taken in f32): the value BEFORE the program rounds it to
   `dtype`: for an operand that a convert_element_type narrowed (autocast's cast of an f32
@@ -125,10 +131,12 @@ class TensorStats:
   whatif_mxfp8_underflow: float
   whatif_mxfp8_overflow: float
   whatif_mxfp8_sqnr_db: float
+  group: int | None = None
 
 
 _WHERE = ("index", "primitive", "op", "scope", "direction", "role", "operand", "shape",
-          "dtype", "location", "iteration", "recomputed", "block_axes", "size", "nonzero")
+          "dtype", "location", "iteration", "recomputed", "block_axes", "size", "nonzero",
+          "group")
 STATISTICS = tuple(f.name for f in dataclasses.fields(TensorStats) if f.name not in _WHERE)
 DEFAULT_THRESHOLDS = {"nonfinite": 0.0, "overflow": 0.0, "underflow": 0.01}
 # Overflow before non-finite: the layer that overflows comes before the ones its
