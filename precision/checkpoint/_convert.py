@@ -25,6 +25,7 @@ import numpy as np
 from precision._policy import dtype_name
 from precision._recipe import Recipe
 from precision.checkpoint import _tree
+from precision import optim
 
 
 def _is_optax_state(x: Any) -> bool:
@@ -76,7 +77,6 @@ def convert(saved_params: Any, saved_opt: Any, saved_recipe: Recipe, target_para
   target_params / target_opt: abstract (or concrete) trees of recipe `recipe`'s state;
   tx: recipe `recipe`'s optimizer (its `init` builds the new state on the f32 master).
   """
-  from precision import optim  # imported late: optim is an optional sibling here
 
   master = optim.master_params(saved_opt, saved_params)
   master = jax.tree.map(lambda m: jnp.asarray(m).astype(jnp.float32)

@@ -9,6 +9,8 @@ from flax import nnx
 from precision import _plan
 from precision._recipe import Recipe
 from precision.flax import _nnx
+from precision.fp8 import apply_fp8
+from precision.fp8 import fp8_modules
 
 
 def apply_recipe(module: nnx.Module, recipe: Any,
@@ -68,7 +70,6 @@ def apply_recipe(module: nnx.Module, recipe: Any,
   _nnx.mark(module, plan.autocast_spec)
   if plan.fp8 is not None:
     # Imported lazily: the fp8 package is optional for every non-fp8 recipe.
-    from precision.fp8 import apply_fp8  # pylint: disable=g-import-not-at-top
     apply_fp8(module, plan.fp8, plan.policy)
   return module
 
@@ -85,7 +86,6 @@ def _check_mark(module: nnx.Module, plan: _plan.Plan, replace: bool) -> None:
         f"{old.policy.param_dtype.name} by that mark; accepted: the same recipe again (a "
         "no-op), replace=True (the new mark, params cast again; rounded values stay "
         "rounded) or a model built again")
-  from precision.fp8 import fp8_modules  # pylint: disable=g-import-not-at-top  (optional)
   if fp8_modules(module) and (old.recipe is None or old.recipe.fp8 != plan.fp8):
     raise ValueError(
         f"apply_recipe(replace=True): the model has fp8 GEMMs from {old.describe()}, which "

@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from precision import formats
+
 # Columns, in the order a GEMM's tensors meet: forward operands and result, then the
 # backward GEMMs' cotangent, residual operand and gradient.
 _COLUMNS = (("fwd", "lhs"), ("fwd", "rhs"), ("fwd", "out"), ("bwd", "cotangent"),
@@ -83,7 +85,6 @@ def scales(report, path: str | os.PathLike, max_rows: int = 60) -> str:
   dotted line flush to zero in it, right of its solid line overflow (unit-scaling's
   picture of where a tensor sits in a format)."""
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  from precision import formats  # pylint: disable=g-import-not-at-top
 
   rows = [r for r in report.rows if r.nonzero][:max_rows]
   fig = Figure(figsize=(9, 1.5 + 0.22 * max(len(rows), 2)), layout="constrained")

@@ -13,6 +13,8 @@ from precision._autocast import autocast
 from precision.numerics import _interpret
 from precision.numerics import _report
 from precision.numerics import _stats
+from precision._recipe import Recipe, get_recipe
+from precision.flax import _nnx
 
 class Captured(NamedTuple):
   """One GEMM operand or result as `capture` hands it over."""
@@ -84,8 +86,6 @@ def _fp8_mark(recipe_or_policy, modules):
   """The mark of an NNX model among `modules` prepared by apply_recipe with this fp8
   recipe (its fp8 layers hold the scaling state, delayed scaling's amax histories
   included), to trace under in place of the recipe; None otherwise."""
-  from precision._recipe import Recipe, get_recipe  # pylint: disable=g-import-not-at-top
-  from precision.flax import _nnx  # pylint: disable=g-import-not-at-top
   if isinstance(recipe_or_policy, str):
     try:
       recipe_or_policy = get_recipe(recipe_or_policy)
@@ -111,7 +111,6 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
                      f"function); got {fn!r} of type {type(fn).__name__}")
   # A model marked by precision.flax.apply_recipe / apply_policy gets its module scopes
   # from autocast itself (naming it twice would give "fc1/fc1").
-  from precision.flax import _nnx  # pylint: disable=g-import-not-at-top
   modules = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
              if _is_node(x)]
   nodes = [x for x in modules if _nnx.spec_of(x) is None]

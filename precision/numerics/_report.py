@@ -7,6 +7,7 @@ import math
 from typing import Any, Mapping
 
 from precision.numerics import _stats
+from precision.numerics import _heatmap
 
 # Statistics where lower is worse (a threshold is crossed from above).
 LOWER_IS_WORSE = ("sqnr_db",) + tuple(f"whatif_{p}_sqnr_db" for p, _, _ in _stats.WHATIF)
@@ -322,7 +323,6 @@ class NumericsReport:
       raise ValueError("statistics is empty; accepted: names from " + ", ".join(STATISTICS))
     for s in statistics:
       _check_statistic(s)
-    from precision.numerics import _heatmap  # pylint: disable=g-import-not-at-top
     return _heatmap.heatmap(self, path, statistics)
 
   def scale_plot(self, path, max_rows: int = 60) -> str:
@@ -338,7 +338,6 @@ class NumericsReport:
     """
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
       raise ValueError(f"max_rows={max_rows!r}; accepted: an integer >= 1")
-    from precision.numerics import _heatmap  # pylint: disable=g-import-not-at-top
     return _heatmap.scales(self, path, max_rows)
 
   def __str__(self) -> str:

@@ -30,6 +30,8 @@ from precision.audit import _walk
 from precision.numerics import _device_stats
 from precision.numerics import _interpret
 from precision.numerics import _report
+from precision import optim
+from precision.numerics import _inspect
 
 MAX_UNROLL = 64
 # Functions whose reduce_max is the max logit of a softmax over its last axis (attention
@@ -203,7 +205,6 @@ def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bo
                           **kwargs) -> tuple[TelemetryRecord, Any]:
   """gemm_telemetry and the outputs of the evaluation it measured: fn's results as
   autocast returns them (floating results in the policy's output dtype)."""
-  from precision.numerics import _inspect  # pylint: disable=g-import-not-at-top
   if not isinstance(whatif, bool):
     raise ValueError(f"whatif={whatif!r}; accepted: True or False")
   infos: list = []
@@ -356,7 +357,6 @@ def update_monitors(params_before: Any, params_after: Any, grads: Any,
   (scaled by the loss scale of `opt_state_before`, divided back out here), the params
   measured where the update accumulates (the master copy when the recipe keeps one: an
   update lost in the 16-bit copy but kept by the master is not lost)."""
-  from precision import optim  # pylint: disable=g-import-not-at-top
   scale = optim.loss_scale_of(opt_state_before)
   unscaled = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
   return param_monitors(optim.master_params(opt_state_before, params_before),

@@ -15,9 +15,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from precision import optim
 from precision._plan import Plan, as_plan
 from precision._recipe import Recipe
 from precision._state import TrainState
+from precision.numerics import _telemetry
 from precision.parallel import _full_state
 from precision.parallel import _report
 from precision.parallel._collectives import all_gather_flat
@@ -31,8 +33,6 @@ from precision.parallel._step import (
 def recipe_hooks(plan: Plan, inner: optax.GradientTransformation, *, seed: int,
                  axis_name: str | None) -> tuple[optax.GradientTransformation, OptimizerHooks]:
   """The optimizer a plan builds around `inner` (precision.optim) and its step hooks."""
-  from precision import optim  # pylint: disable=g-import-not-at-top  (optional layer)
-
   tx = plan.optimizer(inner, seed=seed, axis_name=axis_name)
   return tx, OptimizerHooks(optim.loss_scale_of, optim.apply_updates,
                             optim.optimizer_metrics)
@@ -336,8 +336,6 @@ class DataParallel:
     return self._telemetry(state, self._global_batch(batch), whatif)
 
   def _local_telemetry(self, state: TrainState, batch, whatif: bool):
-    from precision import optim  # pylint: disable=g-import-not-at-top
-    from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
     params = self._full_params(state)
     n = self.cfg.devices
     shard = jax.tree.map(lambda x: x[: x.shape[0] // n], batch)

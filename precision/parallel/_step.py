@@ -33,6 +33,7 @@ from precision._autocast import _api
 from precision.parallel import _collectives as coll
 from precision.parallel import _fsdp
 from precision.parallel._layout import ParamLayout, flatten_pad, own_shard, unflatten
+from precision import fp8
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -155,7 +156,6 @@ def _next_fp8_state(cfg: StepConfig, new_state, state_ct):
   and scales max-reduced over the axis (the largest amax any rank saw: no rank's data
   saturates where another's would not) and the saturation counters summed."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from precision import fp8  # pylint: disable=g-import-not-at-top  (optional layer)
 
   state = fp8.merge_grad_state(new_state, state_ct)
   if not isinstance(state, nnx.State):

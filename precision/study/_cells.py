@@ -46,6 +46,7 @@ from precision.study import _models
 from precision.study import _signals
 from precision.study._faults import library_io
 from precision.study._task import Task, batch_stream
+from precision.numerics import _telemetry
 
 STATUSES = ("ok", "diverged", "failed")
 _STEP_FIELDS = ("loss", "grad_norm", "loss_scale", "skipped_steps", "nonfinite_steps",
@@ -340,7 +341,6 @@ def read_telemetry(out: str, cell: Cell) -> list[dict]:
 def _telemetry_line(prog: _models.Program, state, batch, step: int, whatif: bool) -> str:
   """One telemetry.jsonl line: the numerics of the step taken from `state` (which the
   telemetry program does not change: the trajectory is the step's alone)."""
-  from precision.numerics import _telemetry  # pylint: disable=g-import-not-at-top
   record = prog.telemetry(state, batch, jnp.int32(step), whatif)
   rows = _telemetry.record_rows(record, step)
   for r in rows:
