@@ -12,18 +12,30 @@ from __future__ import annotations
 import jax
 import optax
 
-_OWN: set = set()
+class Own(optax.GradientTransformation):
+  """A transformation built by this package: its code runs under strict promotion, so
+  `compat` does not wrap it again. The capability is the object's type (optax's own
+  `GradientTransformationExtraArgs` is one the same way), not an entry in a registry."""
+  __slots__ = ()
 
 
-def own(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """Marks `tx` as built by this package (its code runs under strict promotion)."""
-  _OWN.add(tx.update)
-  return tx
+class OwnExtraArgs(optax.GradientTransformationExtraArgs, Own):
+  """An `Own` transformation whose update takes extra arguments (``value=``)."""
+  __slots__ = ()
+
+
+def own(tx: optax.GradientTransformation) -> Own:
+  """`tx` as a transformation built by this package (its code runs under strict
+  promotion): the same init and update, typed `Own` (`OwnExtraArgs` when `tx` takes extra
+  arguments)."""
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    return OwnExtraArgs(tx.init, tx.update)
+  return Own(tx.init, tx.update)
 
 
 def compat(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   """`inner` with its init/update run under standard promotion, unless it is our own."""
-  if inner.update in _OWN:
+  if isinstance(inner, Own):
     return inner
 
   def init_fn(params):

@@ -14,7 +14,6 @@ every rounding transform of this package). A recipe with ``fused=True`` selects 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -29,9 +28,6 @@ from precision.optim import _tree
 from precision.rounding import FusedAdamW
 from precision.rounding import FusedAdamWState
 
-# update_fn of each `fused_adamw` transformation -> its FusedAdamW (and whether seed and
-# keep_master were left to `build_optimizer`), so that build_optimizer recognises it.
-_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +95,28 @@ def fused_adamw(learning_rate: float | Callable[[jax.Array], jax.Array],
                          axis_name is not None))
 
 
+class FusedAdamWTransformation(_compat.Own):
+  """A `fused_adamw` transformation. Its update takes ``apply=`` (a bool scalar: the
+  guard's skip happens inside the fused pass, which the guard prefers to selecting after
+  it), and `spec` holds its FusedAdamW and which of seed, keep_master and axis_name were
+  given explicitly, so that `build_optimizer` recognises it and binds the rest (None
+  once bound). The
+  capability is the type (as optax's `GradientTransformationExtraArgs`), not a registry."""
+
+  def __new__(cls, init, update, spec: "_Spec | None"):
+    tx = super().__new__(cls, init, update)
+    tx.spec = spec  # an attribute of this instance (a tuple subclass with a __dict__)
+    return tx
+
+  def __getnewargs__(self):
+    return (self.init, self.update, self.spec)
+
+
 def _register(spec: _Spec) -> optax.GradientTransformation:
-  tx = _transform(spec.opt)
-  _SPECS[tx.update] = spec
-  return tx
+  return _transform(spec.opt, spec)
 
 
-def _transform(opt: FusedAdamW) -> optax.GradientTransformation:
+def _transform(opt: FusedAdamW, spec: "_Spec | None") -> optax.GradientTransformation:
   def init_fn(params):
     # Float leaves of any dtype: f32 moments shaped like them, and the master their f32
     # values. So a state can be built on an f32 master (precision.checkpoint converts a
@@ -132,31 +143,24 @@ def _transform(opt: FusedAdamW) -> optax.GradientTransformation:
     return updates, state
 
   # FusedAdamW runs under strict promotion (it scopes standard promotion where optax does).
-  tx = _compat.own(optax.GradientTransformation(init_fn, update_fn))
-  _TAKES_APPLY.add(tx.update)
-  return tx
-
-
-# Update functions of `fused_adamw` transformations: they take ``apply=`` (a bool
-# scalar) and skip inside the fused pass, which the guard prefers to selecting after it.
-_TAKES_APPLY: weakref.WeakSet = weakref.WeakSet()
+  return FusedAdamWTransformation(init_fn, update_fn, spec)
 
 
 def takes_apply(tx: Any) -> bool:
   """Whether `tx.update` takes ``apply=`` (a `fused_adamw` transformation)."""
-  return isinstance(tx, optax.GradientTransformation) and tx.update in _TAKES_APPLY
+  return isinstance(tx, FusedAdamWTransformation)
 
 
 def is_fused_adamw(tx: Any) -> bool:
-  """Whether `tx` was built by `fused_adamw`."""
-  return isinstance(tx, optax.GradientTransformation) and tx.update in _SPECS
+  """Whether `tx` was built by `fused_adamw` (and not yet bound by `build_optimizer`)."""
+  return isinstance(tx, FusedAdamWTransformation) and tx.spec is not None
 
 
 def bind_to_recipe(tx: optax.GradientTransformation, recipe_name: str, keep_master: bool,
                    seed: int, axis_name: str | None) -> optax.GradientTransformation:
   """`tx` (from `fused_adamw`) with build_optimizer's seed and axis_name and the recipe's
   master; each one `fused_adamw` was given explicitly must agree."""
-  spec = _SPECS[tx.update]
+  spec = tx.spec
   opt = spec.opt
   clashes = []
   if spec.seed_given and opt.seed != seed:
@@ -176,5 +180,6 @@ def bind_to_recipe(tx: optax.GradientTransformation, recipe_name: str, keep_mast
         "shards every leaf is flat (ndim 1), so llm.c's ndim >= 2 decay rule would decay "
         "nothing; accepted: an explicit mask (a pytree of bools like the full params) or "
         "weight_decay=0.0")
+  # Bound: spec None, so build_optimizer does not take it for a user's fused_adamw again.
   return _transform(dataclasses.replace(opt, seed=seed, keep_master=keep_master,
-                                        axis_name=axis_name))
+                                        axis_name=axis_name), None)

@@ -30,7 +30,6 @@ the grads catches it. On a finite loss neither changes a bit.
 from __future__ import annotations
 
 import threading
-import weakref
 import warnings
 from typing import Any, NamedTuple
 
@@ -212,18 +211,19 @@ def _guard(inner, loss_scale, axis_name, skip):
       new = GuardState(inner_state, *_tree.select(vetoed, own(state), own(new)))
     return updates, new
 
-  tx = _compat.own(optax.GradientTransformation(init_fn, update_fn))
-  _TAKES_VETO.add(tx.update)
-  return tx
+  return Guard(init_fn, update_fn)
 
 
-# The update functions of `_guard`: they take a `veto` (see update_fn).
-_TAKES_VETO: "weakref.WeakSet" = weakref.WeakSet()
+class Guard(_compat.Own):
+  """A guard of this module (`loss_scaling`, `skip_nonfinite`): its update also takes
+  ``veto=``, a bool scalar with which a spike guard outside it skips the step (see
+  update_fn). The capability is the type, as optax's `GradientTransformationExtraArgs`."""
+  __slots__ = ()
 
 
 def takes_veto(tx: optax.GradientTransformation) -> bool:
   """Whether `tx` is a guard of this module, whose update takes ``veto=``."""
-  return tx.update in _TAKES_VETO
+  return isinstance(tx, Guard)
 
 
 def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any,
