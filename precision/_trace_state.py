@@ -42,6 +42,16 @@ NNX: contextvars.ContextVar[NnxScopes] = contextvars.ContextVar(
     "precision_nnx_scopes", default=NnxScopes())
 LINEN: contextvars.ContextVar[LinenTrace | None] = contextvars.ContextVar(
     "precision_linen_trace", default=None)
+# precision.fp8's NNX gradient trace (which fp8 layers' state a value_and_grad read).
+FP8_GRAD: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "precision_fp8_grad_trace", default=None)
+# precision.parallel: the indices of the param leaves a loss_fn gathered (ZeRO-3 by layer).
+FSDP_GATHERED: contextvars.ContextVar[set | None] = contextvars.ContextVar(
+    "precision_fsdp_gathered", default=None)
+# precision.optim: whether this thread read the loss scale since the last loss-scaling
+# update (its unscaled-gradients warning). A new thread starts with False.
+SCALE_READ: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "precision_scale_read", default=False)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import precision as mp
+from precision import _trace_state
 from precision.optim import _guard
 
 RECIPES = ("fp32", "bf16_master", "f16_mixed", "fp8_hybrid")
@@ -45,7 +46,9 @@ def data():
 def fresh_warning(monkeypatch):
   """The once-per-process warning re-armed, and no scale read pending in this thread."""
   monkeypatch.setattr(_guard, "_warned", False)
-  monkeypatch.setattr(_guard._SCALE_READS, "pending", False)
+  token = _trace_state.SCALE_READ.set(False)
+  yield
+  _trace_state.SCALE_READ.reset(token)
 
 
 def _setup(recipe, inner=None):

@@ -40,7 +40,6 @@ between them (grad state, rollback) are one mechanism.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import fnmatch
 from typing import Any, Callable, Mapping
 
@@ -49,6 +48,7 @@ import jax.numpy as jnp
 import opt_einsum
 from flax import nnx
 
+from precision import _trace_state
 from precision._policy import Policy
 from precision._recipe import Fp8Config
 from precision.fp8 import _scaling as sc
@@ -84,8 +84,7 @@ class _GradTrace:
     self.read[id(token)] = (token, name)
 
 
-_GRAD_TRACE: contextvars.ContextVar[_GradTrace | None] = contextvars.ContextVar(
-    "precision_fp8_grad_trace", default=None)
+_GRAD_TRACE = _trace_state.FP8_GRAD  # the trace state lives in precision._trace_state
 
 
 @contextlib.contextmanager

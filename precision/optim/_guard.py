@@ -29,7 +29,6 @@ the grads catches it. On a finite loss neither changes a bit.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision import _trace_state
 from precision.optim import _clip
 from precision.optim import _loss_scale
 from precision.optim import _compat
@@ -51,21 +51,12 @@ class UnscaledGradientsWarning(UserWarning):
   """A loss-scaling optimizer was updated with grads computed without reading its scale."""
 
 
-class _ScaleReads(threading.local):
-  """Per thread: whether the loss scale was read since the last loss-scaling update."""
-
-  def __init__(self):
-    super().__init__()
-    self.pending = False
-
-
-_SCALE_READS = _ScaleReads()
 _warned = False  # the warning is shown once per process
 
 
 def note_scale_read() -> None:
   """Marks this thread: the loss scale was read to scale a loss (`loss_scale_of`)."""
-  _SCALE_READS.pending = True
+  _trace_state.SCALE_READ.set(True)
 
 
 def _trivial_scale(loss_scale: Any) -> bool:
@@ -87,7 +78,8 @@ def _take_scale_read(loss_scale: Any) -> None:
   global _warned
   if _trivial_scale(loss_scale):
     return
-  read, _SCALE_READS.pending = _SCALE_READS.pending, False
+  read = _trace_state.SCALE_READ.get()
+  _trace_state.SCALE_READ.set(False)
   if read or _warned:
     return
   _warned = True

@@ -30,7 +30,6 @@ depend on the layer's input, and its backward re-gather on the output's cotangen
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from typing import Any, Callable
 
@@ -38,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision import _trace_state
 from precision._autocast import _api
 from precision.parallel import _collectives as coll
 from precision.parallel._layout import LeafLayout, flatten_pad, unflatten
@@ -115,8 +115,7 @@ def has_sharded(tree: Any) -> bool:
 
 
 # ---- which leaves a loss_fn gathered (checked once per trace by the step) -------------
-_GATHERED: contextvars.ContextVar[set | None] = contextvars.ContextVar("_GATHERED",
-                                                                       default=None)
+_GATHERED = _trace_state.FSDP_GATHERED  # the trace state lives in precision._trace_state
 
 
 def _record(index: int) -> None:
