@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--telemetry", type=int, default=0, metavar="N",
                   help="numerics telemetry every N steps (0: off): per-tensor statistics "
                        "of every GEMM, monitors, first anomaly and heatmaps in the report")
+  ap.add_argument("--seed-batch", type=int, metavar="K",
+                  help="seeds of a recipe trained by one compiled program (1 to --seeds; "
+                       "1: one program per cell; default: the study's own, else "
+                       "min(seeds, 8))")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
   return ap
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
           control=args.control, growth_interval=args.growth_interval,
           timing_rounds=args.timing_rounds, progress=not args.no_progress,
           telemetry=args.telemetry,
-          overrides=overrides or None)
+          overrides=overrides or None,
+          seed_batch=args.seed_batch)
   except ValueError as e:
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision._recipe import Recipe
+from precision.study import _batched
 from precision.study import _cells
 from precision.study import _config
 from precision.study._config import StudyConfig, check_int, make_config, parse_shard
@@ -163,7 +164,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         aa: bool = False, control: str = "fp32", growth_interval: str | int = "recipe",
         max_nonfinite: int = 50, timing_rounds: int = 5, progress: bool = True,
         overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
-        telemetry_whatif: bool = True) -> _report.StudyResult | None:
+        telemetry_whatif: bool = True,
+        seed_batch: int | None = None) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -198,6 +200,12 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       anomaly, the worst tensors and a heatmap per recipe. Measured by a separate
       program on the state before the step: the trajectory is the same with it off.
     telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
+    seed_batch: K, seeds of a recipe trained by one compiled program (`jax.vmap` over
+      stacked state; the seed axis sharded over the most local devices dividing K), 1 to
+      `seeds`; 1: one program per cell. None: the study's own choice when `out` holds
+      one, else the library's: K = min(seeds, 8). A seed's numbers depend on K and the
+      device count (a batched GEMM sums in another order; each group is padded to K so
+      they depend on nothing else), so both are part of the study's identity.
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -219,10 +227,14 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   if not isinstance(telemetry_whatif, bool):
     raise ValueError(f"telemetry_whatif={telemetry_whatif!r}; accepted: True or False")
   pre = _Preflight(task, cfg)
+  # Seed batching (`_batched`): checked, and the batches stackable, before anything is saved.
+  sb = _batched.resolve(seed_batch, out, cfg.seeds, jax.local_device_count())
+  if sb.k > 1:
+    _batched.check_stackable(task, sorted({c.seed for c in cfg.grid()[k - 1::n]}))
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
                                  cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides,
                                  telemetry, telemetry_whatif)
-  _check_out(out, identity(cfg, task, pre.digest), {
+  _check_out(out, {**identity(cfg, task, pre.digest), **_batched.identity_items(sb)}, {
       "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
       "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps)})
   mine = cfg.grid()[k - 1::n]
@@ -230,10 +242,16 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
              "study" if n == 1 else f"study {k}/{n}", progress)
   with _Compile_cache(out):
-    for cell in todo:
+    for group in ([[c] for c in todo] if sb.k == 1 else _batched.groups(todo, sb.k)):
       if bar is not None:
-        bar.set_postfix_str(cell.name)
-      _cells.run_cell(task, cell, settings, out, on_step=bar.update if bar else None)
+        bar.set_postfix_str(group[0].name if len(group) == 1
+                            else f"{group[0].name}..s{group[-1].index}")
+      if sb.k == 1:
+        _cells.run_cell(task, group[0], settings, out,
+                        on_step=bar.update if bar else None)
+      else:
+        _batched.run_group(task, group, settings, out, sb,
+                           on_step=bar.update if bar else None)
     if bar is not None:
       bar.close()
     if any(_cells.read_done(out, c) is None for c in cfg.grid()):
