@@ -1,27 +1,28 @@
 """Seed-batched cells: K seeds of one recipe trained by ONE compiled program.
 
-A group is up to K cells of one arm (the same recipe); its program is `jax.vmap` of the
-recipe's seed-explicit step (`Program.core`) over stacked state (params, optimizer state
-with its loss scale and counters, the model's other state with fp8 scaling state, the
-rng key data), stacked batches (the host stacks each seed's own ``batches(seed)``) and
-the seeds (stochastic rounding's). Each seed keeps its own position, skips, divergence
-and records: a per-slot `active` mask selects, element by element, the new state of the
+A group is up to K cells of one arm (the same recipe); its program runs the recipe's
+seed-explicit step (`Program.core`) over stacked state (params, optimizer state with
+its loss scale and counters, the model's other state with fp8 scaling state, the rng
+key data), stacked batches (the host stacks each seed's own ``batches(seed)``) and the
+seeds (stochastic rounding's). Each seed keeps its own position, skips, divergence and
+records: a per-slot `active` mask selects, element by element, the new state of the
 seeds that step and the old state of the others (a diverged, failed or finished seed,
 one waiting for the group to reach its checkpoint, or a padding slot), so a seed that
 stops leaves the others' numbers untouched.
 
+The seed axis is sharded over `devices` local devices (a 1-D mesh "seed", K a multiple
+of it, `jax.shard_map`): a device holding one seed runs the one-seed step itself; one
+holding several runs it `jax.vmap`-ed over them (on a single device: all K).
+
 Every group is padded to exactly K slots (copies of its first seed, never active): a
 seed's numbers are then a function of (recipe, seed, K, devices) alone, whichever seeds
-share its group, which shard runs it, or how many seeds the study has. They are not,
-in general, those of the one-seed program (K = 1): XLA compiles a batched GEMM or
-reduction with another loop order, so the sums round differently (measured in
-tests/test_study_batched.py: final params differ by a few f32 ulps after 6 steps on the
-test tasks, and the difference grows as training is chaotic). K and the device count
-are therefore part of the study's identity (`identity_entry`).
-
-The seed axis is sharded over `devices` local devices (a 1-D mesh "seed"; K a multiple
-of it): each device trains K / devices seeds. The per-device program is the batched
-program at K / devices seeds, so the device count is part of the identity too.
+share its group, which shard runs it, or how many seeds the study has. They are not, in
+general, those of one-seed cells: XLA compiles a vmapped GEMM or reduction with another
+loop order (measured in tests/test_study_batched.py on XLA:CPU: params up to 2.4e-7 apart
+in f32 and 1.5e-5 with bf16 compute after 6 steps; the gap grows as training is
+chaotic), and even one seed per device is compiled inside the sharded program
+(bit-equal to one-seed cells on the MLP tasks, not on the Linen CNN). K and the device
+count are therefore part of the study's identity (`identity_entry`) whenever K > 1.
 
 Cells keep the layout and files of one-seed cells (`_cells`): per-cell checkpoints,
 steps.jsonl, telemetry.jsonl, attempts.jsonl, done.json; a killed group resumes each
@@ -49,7 +50,7 @@ from precision.study import _models
 from precision.study._cells import Cell, CellSettings
 from precision.study._task import Task, batch_stream
 
-MAX_DEFAULT = 8   # the default K never exceeds this many seeds per program
+MAX_DEFAULT = 8   # the default K (one seed per device) never exceeds this many seeds
 
 
 class SeedBatch(NamedTuple):
@@ -62,11 +63,13 @@ class SeedBatch(NamedTuple):
 
 def default_seed_batch(budget: int, n_devices: int) -> SeedBatch:
   """The library's choice for a new study of `budget` seeds per recipe on `n_devices`
-  local devices: K = min(budget, 8) (one program trains every seed of a recipe, up to
-  8), sharded over the most local devices that divide K (all 8 GPUs of a node for K =
-  8; one device on a plain CPU)."""
-  k = max(1, min(int(budget), MAX_DEFAULT))
-  return SeedBatch(k, _devices_for(k, n_devices))
+  local devices: one seed per device, K = min(budget, n_devices, 8) (every GPU of a node
+  trains a seed of the recipe at once; a machine with one device, a plain CPU included,
+  keeps one program per cell). A larger K (seeds vmapped on a device: faster where one
+  seed leaves the device idle, measured by experiments/bench_study.py) is asked for
+  explicitly, as its numbers differ from one-seed cells' by rounding."""
+  k = max(1, min(int(budget), int(n_devices), MAX_DEFAULT))
+  return SeedBatch(k, k)
 
 
 def _devices_for(k: int, n_devices: int) -> int:
@@ -107,12 +110,13 @@ def identity_items(sb: SeedBatch) -> dict:
 
 def resolve(value: Any, out: str, budget: int, n_devices: int) -> SeedBatch:
   """The SeedBatch a run uses: `value` checked (`check_seed_batch`); None: the one the
-  study in `out` records (so a rerun or a grown study continues as it began; one-seed
-  cells for a study that records none), else `default_seed_batch`."""
+  identity of the study in `out` records (one program per cell where it records none),
+  so a rerun or a grown study continues as it began, and `default_seed_batch` for a
+  new study."""
   if value is None:
     try:
       with open(os.path.join(out, "study.json")) as f:
-        return from_identity(json.load(f).get("identity", {}).get("seed_batch"))
+        return from_identity(json.load(f)["identity"].get("seed_batch"))
     except (FileNotFoundError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
             ValueError):
       pass
@@ -167,18 +171,33 @@ def _slot(tree: Any, i: int) -> Any:
   return jax.tree.map(lambda x: x[i], tree)
 
 
-def batched_step(core: Callable[..., Any]) -> Callable[..., Any]:
-  """``step(states, batches, t, seeds, active) -> (states, metrics)``: `core` vmapped
-  over the leading (seed) axis; a slot with ``active`` False keeps its state bit for bit
-  (an elementwise select), its metrics are to be ignored."""
+def batched_step(core: Callable[..., Any], mesh: Mesh | None = None) -> Callable[..., Any]:
+  """``step(states, batches, t, seeds, active) -> (states, metrics)`` over the leading
+  (seed) axis of every argument but `t`: a slot with ``active`` False keeps its state bit
+  for bit (an elementwise select), its metrics are to be ignored.
+
+  On one device (`mesh` None) it is `core` vmapped over the K slots. With a `mesh` (axis
+  "seed") it is a `jax.shard_map` over it: each device gets K / devices slots, vmapped
+  when more than one, and when exactly one, `core` itself on that seed (the one-seed
+  program, its leading axis squeezed off)."""
   def one(state, batch, seed, active, t):
     new, metrics = core(state, batch, t, seed)
     kept = jax.tree.map(lambda n, o: jnp.where(active, n, o), new, state)
     return kept, metrics
 
-  def step(states, batches, t, seeds, active):
+  def local(states, batches, t, seeds, active):
+    if seeds.shape[0] == 1:
+      first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+      out = one(first(states), first(batches), seeds[0], active[0], t)
+      return jax.tree.map(lambda x: x[None], out)
     return jax.vmap(one, in_axes=(0, 0, 0, 0, None))(states, batches, seeds, active, t)
-  return step
+
+  if mesh is None:
+    return local
+  on_seed = PartitionSpec("seed")
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(on_seed, on_seed, PartitionSpec(), on_seed, on_seed),
+                       out_specs=on_seed, check_vma=False)
 
 
 class _Slot:
@@ -302,17 +321,13 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
   memory = _single_memory(slots[0], states[0], slots[0].batch)
   seeds = np.asarray([s.cell.seed for s in slots] + [slots[0].cell.seed] * (k - n),
                      np.uint32)
-  step = batched_step(slots[0].prog.core)
   if sb.devices > 1:
     mesh = Mesh(np.asarray(jax.local_devices()[:sb.devices]), ("seed",))
-    on_seed, replicated = NamedSharding(mesh, PartitionSpec("seed")), NamedSharding(
-        mesh, PartitionSpec())
-    compiled_fn = jax.jit(step, donate_argnums=(0,),
-                          in_shardings=(on_seed, on_seed, replicated, on_seed, on_seed),
-                          out_shardings=on_seed)
+    on_seed = NamedSharding(mesh, PartitionSpec("seed"))
+    compiled_fn = jax.jit(batched_step(slots[0].prog.core, mesh), donate_argnums=(0,))
     put = lambda tree: jax.device_put(tree, on_seed)
   else:
-    compiled_fn = jax.jit(step, donate_argnums=(0,))
+    compiled_fn = jax.jit(batched_step(slots[0].prog.core), donate_argnums=(0,))
     put = lambda tree: tree
   # Every leaf in a buffer of its own: the padding slots share the first seed's arrays.
   state = put(_stack(states))
@@ -320,6 +335,7 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
   seeds = put(jnp.asarray(seeds))
   evaluate = slots[0].prog.evaluate   # one function of the state for every seed
   start = min(s.pos for s in slots)
+  compiled = None
   for s in slots:
     if s.pos == 0 and settings.eval_every:
       s.records.append({"step": 0, "eval": evaluate(_slot(state, slots.index(s)))})
@@ -358,9 +374,12 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
         and _shapes(slots[i].batch) == ref else filler) for i in range(k)])
     active = np.zeros((k,), bool)
     active[live] = True
+    args = (put(stacked), jnp.int32(t), seeds, put(jnp.asarray(active)))
+    if compiled is None:
+      # Compiled ahead, as one-seed cells are: step times are the steps' alone.
+      compiled = compiled_fn.lower(state, *args).compile()
     t0 = time.perf_counter()
-    state, metrics = compiled_fn(state, put(stacked), jnp.int32(t), seeds,
-                                 put(jnp.asarray(active)))
+    state, metrics = compiled(state, *args)
     metrics = {f: np.asarray(jax.device_get(metrics[f]))
                for f in _cells._STEP_FIELDS + ("consecutive_nonfinite",)}  # pylint: disable=protected-access
     dt = (time.perf_counter() - t0) / len(live)

@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                        "of every GEMM, monitors, first anomaly and heatmaps in the report")
   ap.add_argument("--seed-batch", type=int, metavar="K",
                   help="seeds of a recipe trained by one compiled program (1 to --seeds; "
-                       "1: one program per cell; default: the study's own, else "
-                       "min(seeds, 8))")
+                       "1: one program per cell; default: the study's own, else one seed "
+                       "per local device)")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
   return ap

@@ -200,11 +200,12 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       anomaly, the worst tensors and a heatmap per recipe. Measured by a separate
       program on the state before the step: the trajectory is the same with it off.
     telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
-    seed_batch: K, seeds of a recipe trained by one compiled program (`jax.vmap` over
-      stacked state; the seed axis sharded over the most local devices dividing K), 1 to
-      `seeds`; 1: one program per cell. None: the study's own choice when `out` holds
-      one, else the library's: K = min(seeds, 8). A seed's numbers depend on K and the
-      device count (a batched GEMM sums in another order; each group is padded to K so
+    seed_batch: K, seeds of a recipe trained by one compiled program over stacked state
+      (the seed axis sharded over the most local devices dividing K; seeds sharing a
+      device are vmapped), 1 to `seeds`; 1: one program per cell. None: the study's own
+      choice when `out` holds one, else one seed per local device (K = min(seeds, local
+      devices, 8); 1 on a one-device machine). For K > 1 a seed's numbers depend on K and
+      the device count (batched GEMMs sum in another order; each group is padded to K so
       they depend on nothing else), so both are part of the study's identity.
 
   Returns:
