@@ -221,8 +221,8 @@ def test_a_diverging_seed_stops_alone(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,recipes", [
     ("params_mlp.py:task", ("fp32", "bf16_sr", "f16_mixed", "fp8_hybrid")),
-    ("nnx_mlp.py:task", ("fp32", "pure_bf16", "bf16_sr", "f16_mixed", "fp8_hybrid")),
-    ("linen_cnn.py:make_task", ("fp32", "bf16_mixed", "fp8_hybrid")),
+    ("nnx_mlp.py:task", ("fp32", "bf16_sr", "f16_mixed", "fp8_hybrid")),
+    ("linen_cnn.py:make_task", ("fp32", "fp8_hybrid")),
 ])
 def test_every_kind_and_recipe_trains_batched_close_to_one_seed_cells(tmp_path, name,
                                                                        recipes):
@@ -250,16 +250,16 @@ def test_every_kind_and_recipe_trains_batched_close_to_one_seed_cells(tmp_path, 
 def _train_k(t, recipe, k, steps, devices=1):
   """Per-seed (losses, final state) of seeds 0..k-1 trained by one K-seed program."""
   progs = [_models.build(t, recipe, s) for s in range(k)]
-  step = _batched.batched_step(progs[0].core)
   state = _batched._stack([p.state for p in progs])  # pylint: disable=protected-access
   seeds = jnp.arange(k, dtype=jnp.uint32)
   active = jnp.ones((k,), bool)
-  put = lambda x: x
+  put, mesh = (lambda x: x), None
   if devices > 1:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     mesh = Mesh(np.asarray(jax.devices()[:devices]), ("seed",))
     sh = NamedSharding(mesh, PartitionSpec("seed"))
     put = lambda x: jax.device_put(x, sh)
+  step = _batched.batched_step(progs[0].core, mesh)
   state, seeds, active = put(state), put(seeds), put(active)
   fn = jax.jit(step)
   its = [iter(t.batches(s)) for s in range(k)]
@@ -290,11 +290,13 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("name", ["params_mlp.py:task", "nnx_mlp.py:task"])
 @pytest.mark.parametrize("recipe", ["fp32", "bf16_mixed"])
 def test_how_far_a_seed_moves_with_k_and_sharding(name, recipe):
-  # Seeds 0-3 after 6 steps: one-seed programs against K = 1, 4 and 8 (vmapped) and
-  # K = 8 sharded over 8 devices. The figures are printed; on XLA:CPU the batched GEMMs
-  # and reductions round in another order, so they are not all zero (measured: up to
-  # 2.4e-7 in f32 params, 1.5e-5 with bf16 compute, after 6 steps): asserted below 1e-4
-  # (the params' scale is ~0.3), equal bits being the other honest outcome.
+  # Seeds 0-3 after 6 steps: one-seed programs against the batched program at K = 1
+  # (the one-seed step, its seed axis squeezed off), K = 4 and 8 (vmapped on one
+  # device), K = 8 over 8 devices (one seed each) and K = 8 over 2 (4 vmapped on each).
+  # The figures are printed; on XLA:CPU vmapped GEMMs and reductions round in another
+  # order, so they are not all zero (measured: up to 2.4e-7 in f32 params, 1.5e-5 with
+  # bf16 compute, after 6 steps): asserted below 1e-4 (the params' scale is ~0.3),
+  # equal bits being the other honest outcome.
   t = task(name)
   r = get_recipe(recipe)
   steps, seeds = 6, 4
@@ -302,6 +304,7 @@ def test_how_far_a_seed_moves_with_k_and_sharding(name, recipe):
     ones = [_train_one(t, r, s, steps) for s in range(seeds)]
     runs = {f"K={k}": _train_k(t, r, k, steps) for k in (1, 4, 8)}
     runs["K=8 on 8 devices"] = _train_k(t, r, 8, steps, devices=8)
+    runs["K=8 on 2 devices"] = _train_k(t, r, 8, steps, devices=2)
   lines = []
   for label, (losses, state) in runs.items():
     d_loss = max(float(np.max(np.abs(losses[s] - ones[s][0]))) for s in range(min(seeds,

@@ -336,9 +336,13 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
   evaluate = slots[0].prog.evaluate   # one function of the state for every seed
   start = min(s.pos for s in slots)
   compiled = None
-  for s in slots:
+  for i, s in enumerate(slots):
     if s.pos == 0 and settings.eval_every:
-      s.records.append({"step": 0, "eval": evaluate(_slot(state, slots.index(s)))})
+      try:
+        s.records.append({"step": 0, "eval": evaluate(_slot(state, i))})
+      except Exception as e:  # pylint: disable=broad-except
+        _finish_slot_failed(s, e)
+        continue
       s.log.write(json.dumps(s.records[-1]) + "\n")
   for t in range(start, settings.steps):
     live = [i for i, s in enumerate(slots) if not s.finished and s.pos == t]
