@@ -263,6 +263,7 @@ def build(task: Task, recipe: Recipe, seed: int, fp8_keeps: tuple[str, ...] = ()
   held_out = None if task.evaluate is not None else task.held_out()
   prog = (_build_nnx(task, plan, seed, model, tx, held_out) if kind == "nnx"
           else _build_functional(task, plan, seed, kind, model, tx, held_out))
+  # The builders leave their `make_step(tx)` in `core`; the seed-explicit step takes it.
   return dataclasses.replace(prog, core=_core(prog.core, plan, task.optimizer, tx))
 
 
