@@ -7,9 +7,10 @@
 Each task of experiments.sweep (the GPT and the plain LM, at the sweep's sizes: batch 8
 x 128 bytes) runs `precision.study.run` twice on the same grid, into fresh folders, in
 one process: once with ``seed_batch=1`` (every cell its own program, as before seed
-batching) and once with ``seed_batch=K`` (K seeds of a recipe in one vmapped program,
-the seed axis sharded over the most local devices dividing K). Printed per task and for
-the whole grid:
+batching) and once with ``seed_batch=K`` (K seeds of a recipe in one program, the seed
+axis sharded over the most local devices dividing K; seeds sharing a device looped on
+CPU, vmapped on an accelerator: precision.study._batched). Printed per task and for the
+whole grid:
 
   wall       the whole study run: building, compiling, training, evaluating, saving;
   train      the training steps alone (the sum of the cells' step times; a batched
@@ -129,8 +130,11 @@ def main(argv=None) -> int:
   recipes = [r for r in args.recipes.split(",") if r]
   k = args.seed_batch or args.seeds
   dev = jax.devices()[0]
+  from precision.study import _batched  # pylint: disable=g-import-not-at-top
+  sb = _batched.check_seed_batch(k, args.seeds, jax.local_device_count())
   print(f"# Study throughput: {len(recipes)} recipes x {args.seeds} seeds x {args.steps} "
-        f"steps per task, seed_batch={k}; {dev.platform.upper()} ({dev.device_kind}), "
+        f"steps per task, seed_batch={k} ({sb.devices} devices, seeds sharing one: "
+        f"{sb.how}); {dev.platform.upper()} ({dev.device_kind}), "
         f"{jax.local_device_count()} local devices, {os.cpu_count()} CPU cores")
   try:
     results = bench(tasks, recipes, args.seeds, args.steps, k, args.out)

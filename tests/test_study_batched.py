@@ -69,15 +69,19 @@ def _tree_digest(folder):
 
 def test_default_rule_and_identity():
   # One seed per local device (at most 8); one program per cell on one device.
-  assert _batched.default_seed_batch(3, 1) == (1, 1)
-  assert _batched.default_seed_batch(20, 8) == (8, 8)
-  assert _batched.default_seed_batch(2, 8) == (2, 2)
-  # An explicit K: the most local devices that divide it.
-  assert _batched.check_seed_batch(6, 8, 4) == (6, 3)
-  assert _batched.check_seed_batch(8, 8, 1) == (8, 1)
+  assert _batched.default_seed_batch(3, 1)[:2] == (1, 1)
+  assert _batched.default_seed_batch(20, 8)[:2] == (8, 8)
+  assert _batched.default_seed_batch(2, 8)[:2] == (2, 2)
+  # An explicit K: the most local devices that divide it; seeds sharing a CPU device
+  # run in a loop inside the program.
+  assert _batched.check_seed_batch(6, 8, 4) == (6, 3, "loop")
+  assert _batched.check_seed_batch(8, 8, 1) == (8, 1, "loop")
+  assert _batched.default_how("cpu") == "loop" and _batched.default_how("gpu") == "vmap"
   assert _batched.identity_items(_batched.SeedBatch(1, 1)) == {}  # one-seed: as before
-  assert _batched.identity_items(_batched.SeedBatch(4, 2)) == {
-      "seed_batch": {"k": 4, "devices": 2}}
+  assert _batched.identity_items(_batched.SeedBatch(2, 2)) == {
+      "seed_batch": {"k": 2, "devices": 2}}
+  assert _batched.identity_items(_batched.SeedBatch(4, 2, "vmap")) == {
+      "seed_batch": {"k": 4, "devices": 2, "how": "vmap"}}
 
 
 def test_a_seed_does_not_depend_on_its_group_or_shard(tmp_path):
@@ -247,7 +251,7 @@ def test_every_kind_and_recipe_trains_batched_close_to_one_seed_cells(tmp_path, 
   assert set(one.rows) == set(two.rows)
 
 
-def _train_k(t, recipe, k, steps, devices=1):
+def _train_k(t, recipe, k, steps, devices=1, how="loop"):
   """Per-seed (losses, final state) of seeds 0..k-1 trained by one K-seed program."""
   progs = [_models.build(t, recipe, s) for s in range(k)]
   state = _batched._stack([p.state for p in progs])  # pylint: disable=protected-access
@@ -259,7 +263,7 @@ def _train_k(t, recipe, k, steps, devices=1):
     mesh = Mesh(np.asarray(jax.devices()[:devices]), ("seed",))
     sh = NamedSharding(mesh, PartitionSpec("seed"))
     put = lambda x: jax.device_put(x, sh)
-  step = _batched.batched_step(progs[0].core, mesh)
+  step = _batched.batched_step(progs[0].core, mesh, how)
   state, seeds, active = put(state), put(seeds), put(active)
   fn = jax.jit(step)
   its = [iter(t.batches(s)) for s in range(k)]
@@ -291,20 +295,23 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("recipe", ["fp32", "bf16_mixed"])
 def test_how_far_a_seed_moves_with_k_and_sharding(name, recipe):
   # Seeds 0-3 after 6 steps: one-seed programs against the batched program at K = 1
-  # (the one-seed step, its seed axis squeezed off), K = 4 and 8 (vmapped on one
-  # device), K = 8 over 8 devices (one seed each) and K = 8 over 2 (4 vmapped on each).
-  # The figures are printed; on XLA:CPU vmapped GEMMs and reductions round in another
-  # order, so they are not all zero (measured: up to 2.4e-7 in f32 params, 1.5e-5 with
-  # bf16 compute, after 6 steps): asserted below 1e-4 (the params' scale is ~0.3),
-  # equal bits being the other honest outcome.
+  # (the one-seed step, its seed axis squeezed off), K = 4 and 8 on one device (looped,
+  # the CPU default, and vmapped), K = 8 over 8 devices (one seed each) and K = 8 over 2
+  # (4 per device, both ways). The figures are printed. Measured on XLA:CPU: the looped
+  # and one-per-device programs equal bits on these tasks; vmapped GEMMs and reductions
+  # round in another order (up to 2.4e-7 in f32 params, 1.5e-5 with bf16 compute, after
+  # 6 steps). Asserted below 1e-4 (the params' scale is ~0.3), equal bits being the
+  # other honest outcome.
   t = task(name)
   r = get_recipe(recipe)
   steps, seeds = 6, 4
   with user_code():
     ones = [_train_one(t, r, s, steps) for s in range(seeds)]
-    runs = {f"K={k}": _train_k(t, r, k, steps) for k in (1, 4, 8)}
+    runs = {f"K={k} {how}": _train_k(t, r, k, steps, how=how)
+            for k in (1, 4, 8) for how in (("loop",) if k == 1 else ("loop", "vmap"))}
     runs["K=8 on 8 devices"] = _train_k(t, r, 8, steps, devices=8)
-    runs["K=8 on 2 devices"] = _train_k(t, r, 8, steps, devices=2)
+    for how in ("loop", "vmap"):
+      runs[f"K=8 on 2 devices {how}"] = _train_k(t, r, 8, steps, devices=2, how=how)
   lines = []
   for label, (losses, state) in runs.items():
     d_loss = max(float(np.max(np.abs(losses[s] - ones[s][0]))) for s in range(min(seeds,

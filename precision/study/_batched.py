@@ -12,7 +12,9 @@ stops leaves the others' numbers untouched.
 
 The seed axis is sharded over `devices` local devices (a 1-D mesh "seed", K a multiple
 of it, `jax.shard_map`): a device holding one seed runs the one-seed step itself; one
-holding several runs it `jax.vmap`-ed over them (on a single device: all K).
+holding several (on a single device: all K) runs them as `SeedBatch.how` says, in a
+loop inside the program (`jax.lax.map`, the CPU's default) or vectorised (`jax.vmap`,
+an accelerator's).
 
 Every group is padded to exactly K slots (copies of its first seed, never active): a
 seed's numbers are then a function of (recipe, seed, K, devices) alone, whichever seeds
@@ -20,9 +22,10 @@ share its group, which shard runs it, or how many seeds the study has. They are 
 general, those of one-seed cells: XLA compiles a vmapped GEMM or reduction with another
 loop order (measured in tests/test_study_batched.py on XLA:CPU: params up to 2.4e-7 apart
 in f32 and 1.5e-5 with bf16 compute after 6 steps; the gap grows as training is
-chaotic), and even one seed per device is compiled inside the sharded program
-(bit-equal to one-seed cells on the MLP tasks, not on the Linen CNN). K and the device
-count are therefore part of the study's identity (`identity_entry`) whenever K > 1.
+chaotic), and even the one-seed step, looped or one per device, is compiled inside
+another program (bit-equal to one-seed cells on the MLP tasks, not on the Linen CNN).
+K, the device count and `how` are therefore part of the study's identity
+(`identity_entry`) whenever K > 1.
 
 Cells keep the layout and files of one-seed cells (`_cells`): per-cell checkpoints,
 steps.jsonl, telemetry.jsonl, attempts.jsonl, done.json; a killed group resumes each
@@ -53,12 +56,27 @@ from precision.study._task import Task, batch_stream
 MAX_DEFAULT = 8   # the default K (one seed per device) never exceeds this many seeds
 
 
+HOWS = ("loop", "vmap")
+
+
 class SeedBatch(NamedTuple):
   """How cells are batched: `k` seeds per program (1: one-seed cells, as without
-  batching), the seed axis sharded over `devices` local devices (1: none)."""
+  batching), the seed axis sharded over `devices` local devices (1: none), and `how`
+  seeds sharing a device run: "loop" (`jax.lax.map`: the one-seed step once per seed,
+  inside the program) or "vmap" (one vectorised step over them)."""
 
   k: int
   devices: int = 1
+  how: str = "loop"
+
+
+def default_how(backend: str) -> str:
+  """How seeds sharing a device run on `backend`: "loop" on CPU, where a vmapped step was
+  measured slower per seed than the one-seed step (experiments/bench_study.py: 0.75x
+  and 0.96x on the sweep's plain LM and GPT, the loop 1.19x and 1.23x) because the
+  one-seed GEMMs already keep its cores busy; "vmap" on an accelerator, which one seed
+  of a small model leaves mostly idle."""
+  return "loop" if backend == "cpu" else "vmap"
 
 
 def default_seed_batch(budget: int, n_devices: int) -> SeedBatch:
@@ -69,7 +87,7 @@ def default_seed_batch(budget: int, n_devices: int) -> SeedBatch:
   seed leaves the device idle, measured by experiments/bench_study.py) is asked for
   explicitly, as its numbers differ from one-seed cells' by rounding."""
   k = max(1, min(int(budget), int(n_devices), MAX_DEFAULT))
-  return SeedBatch(k, k)
+  return SeedBatch(k, k, default_how(jax.default_backend()))
 
 
 def _devices_for(k: int, n_devices: int) -> int:
@@ -86,20 +104,26 @@ def check_seed_batch(value: Any, budget: int, n_devices: int) -> SeedBatch:
       1 <= int(value) <= budget):
     raise ValueError(f"seed_batch={value!r}; accepted: an integer from 1 to the seeds per "
                      f"recipe ({budget}), or None for the library's choice")
-  return SeedBatch(int(value), _devices_for(int(value), n_devices))
+  return SeedBatch(int(value), _devices_for(int(value), n_devices),
+                   default_how(jax.default_backend()))
 
 
 def identity_entry(sb: SeedBatch) -> dict | None:
   """The study identity's record of the batching (None for one-seed cells: their
   identity is what it was before batching existed)."""
-  return None if sb.k == 1 else {"k": sb.k, "devices": sb.devices}
+  if sb.k == 1:
+    return None
+  entry = {"k": sb.k, "devices": sb.devices}
+  if sb.k > sb.devices:   # seeds share a device: how they run is part of the program
+    entry["how"] = sb.how
+  return entry
 
 
 def from_identity(entry: Any) -> SeedBatch:
   """The SeedBatch a stored identity records (one-seed cells when it records none)."""
   if not entry:
     return SeedBatch(1, 1)
-  return SeedBatch(int(entry["k"]), int(entry["devices"]))
+  return SeedBatch(int(entry["k"]), int(entry["devices"]), str(entry.get("how", "loop")))
 
 
 def identity_items(sb: SeedBatch) -> dict:
@@ -171,14 +195,16 @@ def _slot(tree: Any, i: int) -> Any:
   return jax.tree.map(lambda x: x[i], tree)
 
 
-def batched_step(core: Callable[..., Any], mesh: Mesh | None = None) -> Callable[..., Any]:
+def batched_step(core: Callable[..., Any], mesh: Mesh | None = None,
+                 how: str = "loop") -> Callable[..., Any]:
   """``step(states, batches, t, seeds, active) -> (states, metrics)`` over the leading
   (seed) axis of every argument but `t`: a slot with ``active`` False keeps its state bit
   for bit (an elementwise select), its metrics are to be ignored.
 
-  On one device (`mesh` None) it is `core` vmapped over the K slots. With a `mesh` (axis
-  "seed") it is a `jax.shard_map` over it: each device gets K / devices slots, vmapped
-  when more than one, and when exactly one, `core` itself on that seed (the one-seed
+  On one device (`mesh` None) the K slots are run as `how` says: "loop" (`jax.lax.map`:
+  `core` once per slot, in turn) or "vmap" (`core` vectorised over them). With a `mesh`
+  (axis "seed") it is a `jax.shard_map` over it, each device running its K / devices
+  slots so; a device with exactly one runs `core` itself on that seed (the one-seed
   program, its leading axis squeezed off)."""
   def one(state, batch, seed, active, t):
     new, metrics = core(state, batch, t, seed)
@@ -190,6 +216,8 @@ def batched_step(core: Callable[..., Any], mesh: Mesh | None = None) -> Callable
       first = lambda tree: jax.tree.map(lambda x: x[0], tree)
       out = one(first(states), first(batches), seeds[0], active[0], t)
       return jax.tree.map(lambda x: x[None], out)
+    if how == "loop":
+      return jax.lax.map(lambda slot: one(*slot, t), (states, batches, seeds, active))
     return jax.vmap(one, in_axes=(0, 0, 0, 0, None))(states, batches, seeds, active, t)
 
   if mesh is None:
@@ -324,10 +352,12 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
   if sb.devices > 1:
     mesh = Mesh(np.asarray(jax.local_devices()[:sb.devices]), ("seed",))
     on_seed = NamedSharding(mesh, PartitionSpec("seed"))
-    compiled_fn = jax.jit(batched_step(slots[0].prog.core, mesh), donate_argnums=(0,))
+    compiled_fn = jax.jit(batched_step(slots[0].prog.core, mesh, sb.how),
+                          donate_argnums=(0,))
     put = lambda tree: jax.device_put(tree, on_seed)
   else:
-    compiled_fn = jax.jit(batched_step(slots[0].prog.core), donate_argnums=(0,))
+    compiled_fn = jax.jit(batched_step(slots[0].prog.core, None, sb.how),
+                          donate_argnums=(0,))
     put = lambda tree: tree
   # Every leaf in a buffer of its own: the padding slots share the first seed's arrays.
   state = put(_stack(states))

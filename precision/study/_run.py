@@ -202,7 +202,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     telemetry_whatif: also compute the what-if columns (bf16, f16, E4M3, E5M2).
     seed_batch: K, seeds of a recipe trained by one compiled program over stacked state
       (the seed axis sharded over the most local devices dividing K; seeds sharing a
-      device are vmapped), 1 to `seeds`; 1: one program per cell. None: the study's own
+      device run in a loop inside the program on CPU, vmapped on an accelerator), 1 to
+      `seeds`; 1: one program per cell. None: the study's own
       choice when `out` holds one, else one seed per local device (K = min(seeds, local
       devices, 8); 1 on a one-device machine). For K > 1 a seed's numbers depend on K and
       the device count (batched GEMMs sum in another order; each group is padded to K so
