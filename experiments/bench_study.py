@@ -131,7 +131,11 @@ def main(argv=None) -> int:
   k = args.seed_batch or args.seeds
   dev = jax.devices()[0]
   from precision.study import _batched  # pylint: disable=g-import-not-at-top
-  sb = _batched.check_seed_batch(k, args.seeds, jax.local_device_count())
+  try:
+    sb = _batched.check_seed_batch(k, args.seeds, jax.local_device_count())
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(f"# Study throughput: {len(recipes)} recipes x {args.seeds} seeds x {args.steps} "
         f"steps per task, seed_batch={k} ({sb.devices} devices, seeds sharing one: "
         f"{sb.how}); {dev.platform.upper()} ({dev.device_kind}), "
