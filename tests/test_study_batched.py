@@ -152,18 +152,23 @@ class _Interrupt(Exception):
 
 
 @pytest.mark.slow
-def test_killed_group_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("sb", [_batched.SeedBatch(2, 2), _batched.SeedBatch(2, 1, "loop"),
+                                _batched.SeedBatch(2, 1, "vmap")], ids=str)
+def test_killed_group_resumes_bit_exactly(tmp_path, sb):
   # A group interrupted after 13 of its 2 x 10 steps (a KeyboardInterrupt, as a kill at
   # that point), one cell's newest checkpoint then removed (it resumes from an older one
-  # than its neighbour's), and rerun: the same cells as an uninterrupted run.
+  # than its neighbour's), and rerun: the same cells as an uninterrupted run of the same
+  # program (one seed per device, both seeds looped on one, or vmapped on one).
   t = task()
-  kw = dict(seeds=2, steps=10, eval_every=5, save_every=2)
   ref = tmp_path / "ref"
-  _run(t, ref, recipes=("bf16_mixed",), seed_batch=2, **kw)
   out = tmp_path / "killed"
   cfg = study.make_config(["fp32", "bf16_mixed"], 2, 10, eval_every=5, save_every=2)
   cells = [c for c in cfg.grid() if c.arm == "bf16_mixed"]
   settings = _cells.CellSettings(10, 5, 2, 50, ())
+  os.makedirs(ref)
+  with user_code():
+    _batched.run_group(t, cells, settings, str(ref), sb)
+  assert all(_cells.read_done(str(ref), c)["status"] == "ok" for c in cells)
   seen = []
 
   def on_step(_):
@@ -172,14 +177,14 @@ def test_killed_group_resumes_bit_exactly(tmp_path):
       raise KeyboardInterrupt
   os.makedirs(out)
   with user_code(), pytest.raises(KeyboardInterrupt):
-    _batched.run_group(t, cells, settings, str(out), _batched.SeedBatch(2, 2), on_step)
+    _batched.run_group(t, cells, settings, str(out), sb, on_step)
   assert all(_cells.read_done(str(out), c) is None for c in cells)
   ckpt_dir = os.path.join(_cells.cell_dir(str(out), cells[1]), "ckpt")
   steps = sorted((n for n in os.listdir(ckpt_dir) if n.isdigit()), key=int)
   assert steps == ["4", "6"], steps
   shutil.rmtree(os.path.join(ckpt_dir, steps[-1]))  # cell 1 resumes at 4, cell 0 at 6
   with user_code():
-    _batched.run_group(t, cells, settings, str(out), _batched.SeedBatch(2, 2))
+    _batched.run_group(t, cells, settings, str(out), sb)
   for c in cells:
     a, b = _cells.read_done(str(out), c), _cells.read_done(str(ref), c)
     assert a["fingerprint"] == b["fingerprint"], c.name
