@@ -1,4 +1,5 @@
-"""The GPU-only measurements in one script (under 8 minutes on one H200):
+"""The GPU-only measurements in one script (under 8 minutes on one H200 without the study
+check, whose time on a GPU is not yet measured):
 
   PYTHONPATH=. python -m experiments.gpu_check            # on a GPU machine
   PYTHONPATH=. python -m experiments.gpu_check --dry-run  # tiny sizes, any backend
@@ -28,6 +29,9 @@ Checks (`--only`, comma-separated; default all):
              compiles the block-scaled GEMMs on this GPU (cuDNN on compute capability
              >= 10, expanded elsewhere), their largest difference from the emulation
              relative to its largest value, and both times. What "auto" picks here too.
+  study      study throughput (experiments.bench_study): the sweep's tasks, 4 recipes x 8
+             seeds, one program per cell against seed_batch=8 (the seed axis over the
+             GPUs dividing 8), wall and training steps/s side by side and their ratio.
 
 Prints a table last and writes gpu_check.json (versions included) to --out (default $OUT
 or ./gpu_check_out).
@@ -49,7 +53,7 @@ import numpy as np
 
 from experiments.timing import median_seconds
 
-CHECKS = ("kernels", "bandwidth", "train", "fp8", "micro")
+CHECKS = ("kernels", "bandwidth", "train", "fp8", "micro", "study")
 # Versions printed first; a package missing from the machine prints "not installed".
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "numpy", "ml_dtypes")
 
@@ -227,6 +231,12 @@ def main(argv=None) -> int:
     res["fp8"] = bench_fp8.run(quick=dry)
   if "micro" in checks:
     res["micro"] = micro_lowering(256 if dry else 2048, 2 if dry else 10)
+  if "study" in checks:
+    from experiments import bench_study  # pylint: disable=g-import-not-at-top
+    res["study"] = (bench_study.bench(["plain_lm"], ["fp32", "bf16_mixed"], 2, 2, 2,
+                                      os.path.join(args.out, "study")) if dry else
+                    bench_study.bench(["gpt", "plain_lm"], list(bench_study.RECIPES), 8, 20,
+                                      8, os.path.join(args.out, "study")))
   res["seconds"] = time.perf_counter() - t0
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
@@ -260,6 +270,14 @@ def main(argv=None) -> int:
       print(f"| {name} {m['n']}^3 fwd+grads: emulated / block_scaled / max rel diff | "
             f"{t(r['emulated_s'])} / {t(r['block_scaled_s'])} / "
             f"{fmt(r.get('max_rel_diff'), '.2e')} |")
+  if "study" in res:
+    for name, r in res["study"].items():
+      sq, bt = r["sequential"], r["batched"]
+      print(f"| study {name}: steps/s one program per cell / seed-batched (wall; train) | "
+            f"{sq['steps_per_s_wall']:.2f} / {bt['steps_per_s_wall']:.2f} = "
+            f"{bt['steps_per_s_wall'] / sq['steps_per_s_wall']:.2f}x; "
+            f"{sq['steps_per_s_train']:.2f} / {bt['steps_per_s_train']:.2f} = "
+            f"{bt['steps_per_s_train'] / sq['steps_per_s_train']:.2f}x |")
   print(f"| total seconds | {res['seconds']:.0f} |")
   return 0
 

@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                        "checkpoint), e.g. failed for a full disk by an earlier version")
   ap.add_argument("--debug", action="store_true",
                   help="print the traceback of an error, not only its line")
+  ap.add_argument("--seed-batch", type=int, metavar="K",
+                  help="seeds of a recipe trained by one compiled program (1 to --seeds; "
+                       "1: one program per cell; default: the study's own, else one seed "
+                       "per local device on an accelerator, 1 on CPU)")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
   # Stopping on a signal (_signals) and the Slurm submit script (_slurm).
@@ -148,7 +152,7 @@ def _main(args) -> int:
           timing_rounds=args.timing_rounds, progress=not args.no_progress,
           telemetry=args.telemetry, retry_failed=args.retry_failed,
           overrides=overrides or None, max_seeds=args.max_seeds, floor=args.floor,
-          stop_signal=args.stop_signal, requeue=args.requeue)
+          stop_signal=args.stop_signal, requeue=args.requeue, seed_batch=args.seed_batch)
   except ValueError as e:
     if args.debug:
       traceback.print_exc()

@@ -151,6 +151,11 @@ class Program:
       and the parameter monitors of its update), computed without changing `state`.
       fp8 GEMMs are measured on their scaled operands (the values the cast to E4M3 /
       E5M2 rounds), inside fp8 layers or with the explicit scaling state alike.
+    core: ``core(state, batch, t, seed) -> (state, metrics)``, not jitted: the step as a
+      pure function of its arguments, `seed` (a uint32 scalar, traced or not) seeding
+      the optimizer's stochastic rounding. Every seed of a recipe shares it (the model's
+      structure, the plan, the loss), so `jax.vmap` of it over stacked states, batches
+      and seeds trains many seeds in one program (`precision.study._batched`).
   """
 
   kind: str
@@ -161,6 +166,7 @@ class Program:
   n_params: int
   graphdef: Any = None
   telemetry: Callable[..., Any] | None = None
+  core: Callable[..., Any] | None = None
 
 
 def _fnmatch_literal(path: str) -> str:
@@ -255,9 +261,27 @@ def build(task: Task, recipe: Recipe, seed: int, fp8_keeps: tuple[str, ...] = ()
   plan = bind(recipe, overrides=dict(overrides) if overrides else None)
   tx = optim.build_optimizer(plan, task.optimizer, seed=seed)
   held_out = None if task.evaluate is not None else task.held_out()
-  if kind == "nnx":
-    return _build_nnx(task, plan, seed, model, tx, held_out)
-  return _build_functional(task, plan, seed, kind, model, tx, held_out)
+  prog = (_build_nnx(task, plan, seed, model, tx, held_out) if kind == "nnx"
+          else _build_functional(task, plan, seed, kind, model, tx, held_out))
+  # The builders leave their `make_step(tx)` in `core`; the seed-explicit step takes it.
+  return dataclasses.replace(prog, core=_core(prog.core, plan, task.optimizer, tx))
+
+
+def seeds_rounding(recipe: Recipe) -> bool:
+  """Whether `recipe`'s optimizer reads the seed (stochastic rounding, fused or not)."""
+  return recipe.rounding == "stochastic" or recipe.fused
+
+
+def _core(make_step, plan: Plan, inner, tx):
+  """The seed-explicit step of a Program from its `make_step(tx)`: a recipe whose updates
+  round stochastically gets the optimizer built for the given seed (a traced uint32
+  seed hashes as the int does); any other recipe never reads the seed, and keeps the one
+  optimizer built for the cell."""
+  def core(state, batch, t, seed):
+    tx_seed = (optim.build_optimizer(plan, inner, seed=seed)
+               if seeds_rounding(plan.recipe) else tx)
+    return make_step(tx_seed)(state, batch, t)
+  return core
 
 
 def _build_nnx(task, plan: Plan, seed, model, tx, held_out) -> Program:
@@ -269,14 +293,18 @@ def _build_nnx(task, plan: Plan, seed, model, tx, held_out) -> Program:
   state = TrainState(params, _copy_leaves(tx.init(params)), _copy_leaves(rest),
                      _rng_data(seed))
 
-  def step(state: TrainState, batch: Any, t: jax.Array):
-    del t  # NNX models draw their randomness from their own Rngs (in model_state)
-    m = nnx.merge(graphdef, state.params, state.model_state)
-    loss, opt_state = train_step(m, tx, state.opt_state, task.loss, batch)
-    _, params, rest = nnx.split(m, nnx.Param, ...)
-    sat = mp_fp8.fp8_metrics(m)["fp8/saturated"] if has_fp8 else None
-    return (state._replace(params=params, opt_state=opt_state, model_state=rest),
-            _metrics(opt_state, loss, sat))
+  def make_step(tx):
+    def step(state: TrainState, batch: Any, t: jax.Array):
+      del t  # NNX models draw their randomness from their own Rngs (in model_state)
+      m = nnx.merge(graphdef, state.params, state.model_state)
+      loss, opt_state = train_step(m, tx, state.opt_state, task.loss, batch)
+      _, params, rest = nnx.split(m, nnx.Param, ...)
+      sat = mp_fp8.fp8_metrics(m)["fp8/saturated"] if has_fp8 else None
+      return (state._replace(params=params, opt_state=opt_state, model_state=rest),
+              _metrics(opt_state, loss, sat))
+    return step
+
+  step = make_step(tx)
 
   if held_out is not None:
     def eval_loss(params, rest, batch):
@@ -304,7 +332,7 @@ def _build_nnx(task, plan: Plan, seed, model, tx, held_out) -> Program:
 
   n = int(sum(x.size for x in jax.tree.leaves(params)))
   return Program("nnx", recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n,
-                 graphdef, jax.jit(telemetry, static_argnums=(3,)))
+                 graphdef, jax.jit(telemetry, static_argnums=(3,)), make_step)
 
 
 def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Program:
@@ -355,31 +383,35 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
     vg = jax.value_and_grad(_autocast.autocast(loss_of, plan), has_aux=True)
     model_state = collections
 
-  def step(state: TrainState, batch: Any, t: jax.Array):
-    # Common random numbers: the key of step t depends on the seed and t only.
-    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), t)
-    scale = optim.loss_scale_of(state.opt_state)
-    if has_fp8:
-      fp8_old = state.model_state["fp8"]
-      (_, (loss, new_coll)), grads, fp8_new = vg(
-          fp8_old, state.params, state.model_state["collections"], batch, rng, scale)
-    else:
-      (_, (loss, new_coll)), grads = vg(state.params, state.model_state, batch, rng, scale)
-    # A transformation taking extra arguments (a spike guard) gets the unscaled loss.
-    extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-    params, opt_state = optim.update_and_apply(tx, grads, state.opt_state, state.params,
-                                               **extra)
-    sat = None
-    if has_fp8:
-      # A step the guard skipped leaves the fp8 state as it was, as params and moments.
-      fp8_new = mp_fp8.rollback_fp8_state(fp8_new, fp8_old,
-                                          optim.step_skipped(state.opt_state, opt_state))
-      new_model_state = {"collections": new_coll, "fp8": fp8_new}
-      sat = mp_fp8.fp8_metrics(fp8_new)["fp8/saturated"]
-    else:
-      new_model_state = new_coll
-    return (state._replace(params=params, opt_state=opt_state, model_state=new_model_state),
-            _metrics(opt_state, loss, sat))
+  def make_step(tx):
+    def step(state: TrainState, batch: Any, t: jax.Array):
+      # Common random numbers: the key of step t depends on the seed and t only.
+      rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), t)
+      scale = optim.loss_scale_of(state.opt_state)
+      if has_fp8:
+        fp8_old = state.model_state["fp8"]
+        (_, (loss, new_coll)), grads, fp8_new = vg(
+            fp8_old, state.params, state.model_state["collections"], batch, rng, scale)
+      else:
+        (_, (loss, new_coll)), grads = vg(state.params, state.model_state, batch, rng, scale)
+      # A transformation taking extra arguments (a spike guard) gets the unscaled loss.
+      extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+      params, opt_state = optim.update_and_apply(tx, grads, state.opt_state, state.params,
+                                                 **extra)
+      sat = None
+      if has_fp8:
+        # A step the guard skipped leaves the fp8 state as it was, as params and moments.
+        fp8_new = mp_fp8.rollback_fp8_state(fp8_new, fp8_old,
+                                            optim.step_skipped(state.opt_state, opt_state))
+        new_model_state = {"collections": new_coll, "fp8": fp8_new}
+        sat = mp_fp8.fp8_metrics(fp8_new)["fp8/saturated"]
+      else:
+        new_model_state = new_coll
+      return (state._replace(params=params, opt_state=opt_state, model_state=new_model_state),
+              _metrics(opt_state, loss, sat))
+    return step
+
+  step = make_step(tx)
 
   def collections_of(s):
     return s.model_state["collections"] if has_fp8 else s.model_state
@@ -418,7 +450,7 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
                      _rng_data(seed))
   n = int(sum(x.size for x in jax.tree.leaves(params)))
   return Program(kind, recipe, state, jax.jit(step, donate_argnums=(0,)), evaluate, n,
-                 None, jax.jit(telemetry, static_argnums=(3,)))
+                 None, jax.jit(telemetry, static_argnums=(3,)), make_step)
 
 
 def check_loss(task: Task, model: Any, batch: Any) -> None:

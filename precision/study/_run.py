@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision._recipe import Recipe
+from precision.study import _batched
 from precision.study import _cells
 from precision.study import _config
 from precision.study import _floor
@@ -164,8 +165,8 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
         overrides: Mapping[str, Any] | None = None, telemetry: int = 0,
         telemetry_whatif: bool = True, max_seeds: int | None = None,
         floor: bool | None = None, retry_failed: bool = False,
-        stop_signal: str | int | None = "USR1",
-        requeue: bool = False) -> _report.StudyResult | None:
+        stop_signal: str | int | None = "USR1", requeue: bool = False,
+        seed_batch: int | None = None) -> _report.StudyResult | None:
   """Trains `task` under every recipe x seed and judges each recipe against the control.
 
   Args:
@@ -215,6 +216,16 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       (stops/slice-K-of-N.json) and `Stopped` is raised; the same call continues
       bit-exactly. Handled only when `run` is called from the main thread.
     requeue: under Slurm, a stop also requeues this job (``scontrol requeue``).
+    seed_batch: K, seeds of a recipe trained by one compiled program over stacked state
+      (the seed axis sharded over the most local devices dividing K; seeds sharing a
+      device run in a loop inside the program on CPU, vmapped on an accelerator), 1 to
+      `seeds`; 1: one program per cell. None: the study's own
+      choice when `out` holds one, else on an accelerator one seed per local device
+      (K = min(seeds, local devices, 8); 1 on a one-device machine) and on CPU 1. For
+      K > 1 a seed's numbers depend on K and the device count (batched GEMMs sum in
+      another order; each group is padded to K so they depend on nothing else), so both
+      are part of the study's identity. K > 1 does not combine with seeds="auto" nor
+      with `retry_failed` (their cells run one program per cell).
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -252,10 +263,20 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
   if not isinstance(retry_failed, bool):
     raise ValueError(f"retry_failed={retry_failed!r}; accepted: True or False")
   pre = _Preflight(task, cfg)
+  # Seed batching (`_batched`): checked, and the batches stackable, before anything is saved.
+  sb = _batched.resolve(seed_batch, out, cfg.seeds, jax.local_device_count())
+  if sb.k > 1 and cfg.sequential is not None:
+    raise ValueError(f"seed_batch={sb.k} with seeds='auto'; accepted: seed_batch=1 (the "
+                     "rounds of a sequential study run one program per cell)")
+  if sb.k > 1 and retry_failed:
+    raise ValueError(f"seed_batch={sb.k} with retry_failed=True; accepted: one of them (a "
+                     "failed cell retried alone would not give its group's numbers)")
+  if sb.k > 1:
+    _batched.check_stackable(task, sorted({c.seed for c in cfg.grid()[k - 1::n]}))
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
                                  cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides,
                                  telemetry, telemetry_whatif)
-  _check_out(out, identity(cfg, task, pre.digest), {
+  _check_out(out, {**identity(cfg, task, pre.digest), **_batched.identity_items(sb)}, {
       "settings": {"save_every": cfg.save_every, "growth_interval": cfg.growth_interval},
       "kind": pre.kind, "fp8_kept_by_role": list(pre.fp8_keeps),
       **({"floor_nudge": _floor.describe(task)} if cfg.floor else {})})
@@ -268,12 +289,19 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     todo = [c for c in mine if _cells.to_run(out, c, retry)]
     bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
                "study" if n == 1 else f"study {k}/{n}", progress)
-    for cell in todo:
+    for group in ([[c] for c in todo] if sb.k == 1 else _batched.groups(todo, sb.k)):
       _signals.check()  # a stop between cells: nothing is open
       if bar is not None:
-        bar.set_postfix_str(cell.name)
-      _cells.run_cell(_task_of(task, cfg, cell), cell, settings, out,
-                      on_step=bar.update if bar else None, retry_failed=retry)
+        bar.set_postfix_str(group[0].name if len(group) == 1
+                            else f"{group[0].name}..s{group[-1].index}")
+      # One arm per group: the chaos floor's cells start from nudged weights.
+      cell_task = _task_of(task, cfg, group[0])
+      if sb.k == 1:
+        _cells.run_cell(cell_task, group[0], settings, out,
+                        on_step=bar.update if bar else None, retry_failed=retry)
+      else:
+        _batched.run_group(cell_task, group, settings, out, sb,
+                           on_step=bar.update if bar else None)
     if bar is not None:
       bar.close()
     if any(_cells.read_done(out, c) is None for c in cfg.grid()):
