@@ -34,6 +34,7 @@ from flax import nnx
 from flax.core import unfreeze
 
 from precision import _autocast
+from precision import _step_core
 from precision import flax as mp_flax
 from precision import fp8 as mp_fp8
 from precision import optim
@@ -394,15 +395,16 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
             fp8_old, state.params, state.model_state["collections"], batch, rng, scale)
       else:
         (_, (loss, new_coll)), grads = vg(state.params, state.model_state, batch, rng, scale)
-      # A transformation taking extra arguments (a spike guard) gets the unscaled loss.
-      extra = {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-      params, opt_state = optim.update_and_apply(tx, grads, state.opt_state, state.params,
-                                                 **extra)
+      # The step core (precision._step_core, as train_step's and the data-parallel
+      # step's): the unscaled loss as a spike guard's value, update, apply, in-place
+      # order, and the fp8 state of a skipped step rolled back with params and moments.
+      result = _step_core.apply_gradients(
+          tx, grads, state.opt_state, state.params, loss=loss,
+          fp8_before=fp8_old if has_fp8 else None, fp8_after=fp8_new if has_fp8 else None)
+      params, opt_state = result.params, result.opt_state
       sat = None
       if has_fp8:
-        # A step the guard skipped leaves the fp8 state as it was, as params and moments.
-        fp8_new = mp_fp8.rollback_fp8_state(fp8_new, fp8_old,
-                                            optim.step_skipped(state.opt_state, opt_state))
+        fp8_new = result.fp8_state
         new_model_state = {"collections": new_coll, "fp8": fp8_new}
         sat = mp_fp8.fp8_metrics(fp8_new)["fp8/saturated"]
       else:
