@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from precision._recipe import Recipe
+from precision._recipe import Recipe, get_recipe
 from precision.fp8 import _scaling as sc
 from precision.fp8._dot import Fp8DotState
 
@@ -76,7 +76,6 @@ def _spec_and_fn(fn: Callable, recipe: Any, overrides, fp32_ops, fp8_state: bool
   if not isinstance(recipe, (Recipe, str)):
     raise ValueError(f"recipe={recipe!r}; accepted: a precision.Recipe with an fp8 config "
                      "or a preset name ('fp8_hybrid')")
-  from precision._recipe import get_recipe  # pylint: disable=g-import-not-at-top
   if fp8_state is None:
     fp8 = get_recipe(recipe).fp8
     fp8_state = fp8 is not None and fp8.scaling == "delayed"

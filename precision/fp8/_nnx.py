@@ -51,6 +51,7 @@ from flax import nnx
 from precision import _trace_state
 from precision._policy import Policy
 from precision._recipe import Fp8Config
+from precision.optim import select_tree
 from precision.fp8 import _scaling as sc
 from precision.fp8._dot import OPERANDS, Fp8DotState, Fp8Spec, fp8_dot_general
 
@@ -385,8 +386,6 @@ def rollback_fp8_state(new_state: Any, old_state: Any, skipped: Any) -> Any:
     >>> model_state = rollback_fp8_state(nnx.state(model, nnx.Not(nnx.Param)), before,
     ...                                  skipped)
   """
-  from precision.optim import select_tree  # pylint: disable=g-import-not-at-top
-
   if not isinstance(new_state, nnx.State):
     return select_tree(skipped, old_state, new_state)
   old = {tuple(path): var for path, var in nnx.to_flat_state(old_state)}
