@@ -58,9 +58,31 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
   return line if len(line) <= limit else line[:limit] + "..."
 
 
+# An error a storage library (Orbax, TensorStore) re-raised without an errno still says
+# what the system call said: its text is read for these.
+_ERRNO_TEXT = ((errno_lib.ENOSPC, ("No space left on device", "ENOSPC")),
+               (errno_lib.EDQUOT, ("Disk quota exceeded", "EDQUOT")),
+               (errno_lib.EROFS, ("Read-only file system", "EROFS")))
+
+
 def _errno_of(e: BaseException) -> int | None:
-  code = getattr(e, "errno", None)
-  return code if isinstance(code, int) and code else None
+  """The errno of `e`, or of the first exception of its chain (``raise ... from``, or
+  raised while handling) that has one; else one its message names."""
+  seen, chain = set(), []
+  while e is not None and id(e) not in seen and len(chain) < 16:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  for x in chain:
+    code = getattr(x, "errno", None)
+    if isinstance(code, int) and code:
+      return code
+  for x in chain:
+    text = str(x)
+    for code, words in _ERRNO_TEXT:
+      if any(w in text for w in words):
+        return code
+  return None
 
 
 def _cause_words(e: BaseException) -> str:
