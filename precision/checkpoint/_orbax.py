@@ -138,7 +138,12 @@ def _orbax_failures_unlogged() -> Iterator[None]:
     # A failed write's worker threads may still be logging after the call raised: the
     # filter stays until the threads this call started have ended.
     for t in set(_orbax_threads()) - before:
-      t.join(timeout=30)
+      # Orbax's own thread class re-raises its target's exception from join(): that is
+      # the failure the call already reports (or an OSError made of it), not a second one.
+      try:
+        threading.Thread.join(t, timeout=30)
+      except Exception:  # pylint: disable=broad-except
+        pass
     log.removeFilter(quiet)
 
 
