@@ -109,7 +109,13 @@ def _check_out(out: str, ident: dict, extra: dict) -> None:
       # seed count, so the finished ones stay and only the new seeds train.
       _cells.write_atomic(path, json.dumps({**old, "identity": ident}, indent=1))
     return
-  if os.path.isdir(out) and any(not n.startswith(".") for n in os.listdir(out)):
+  # Slices started at once (a Slurm array) race to create the study: one may be writing
+  # study.json (its temporary file) or have just renamed it and made cells/.
+  taken = [n for n in (os.listdir(out) if os.path.isdir(out) else ())
+           if not n.startswith(".") and not n.startswith(f"{_STUDY_FILE}.tmp-")]
+  if taken:
+    if os.path.exists(path):  # another slice created the study meanwhile
+      return _check_out(out, ident, extra)
     raise ValueError(f"--out {out} exists and holds no study ({_STUDY_FILE} missing); "
                      "accepted: a new or empty folder, or a study's folder")
   os.makedirs(out, exist_ok=True)
