@@ -249,3 +249,24 @@ def test_task_rng_streams_none_is_refused():
   with pytest.raises(ValueError, match="rng_streams"):
     study.Task(init=lambda s: {"w": jnp.ones(2)}, loss=lambda p, b: jnp.sum(p["w"]),
                batches=lambda s: iter([]), optimizer=optax.sgd(0.1), rng_streams=None)
+
+
+def test_slices_started_at_once_may_find_the_study_being_created(tmp_path):
+  """A Slurm array's tasks start together: one may see another's study.json temporary
+  file, or study.json and cells/ just made, and must join that study, not refuse the
+  folder; a folder holding anything else is still refused."""
+  from precision.study import _run  # pylint: disable=g-import-not-at-top
+  ident = {"format": 1, "task": "t", "seeds": 2}
+  out = tmp_path / "racing"
+  out.mkdir()
+  (out / ".slurm").mkdir()
+  (out / "study.json.tmp-4242").write_text("{")      # another slice, mid-write
+  _run._check_out(str(out), ident, {})
+  assert json.loads((out / "study.json").read_text())["identity"] == ident
+  (out / "cells").mkdir()                            # the other slice went on
+  _run._check_out(str(out), ident, {})
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match="holds no study"):
+    _run._check_out(str(other), ident, {})
