@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import _tmpfs
+
 from precision import study
 from precision.checkpoint import _orbax
 from precision.study import _cells
@@ -304,32 +306,6 @@ def _cli(out, *extra):
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _mount(path, size_kb):
-  os.makedirs(path, exist_ok=True)
-  p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", path],
-                     capture_output=True, text=True)
-  if p.returncode != 0:
-    pytest.skip(f"cannot mount a tmpfs (needs root): {p.stderr.strip()}")
-
-
-def _remount(path, size_kb):
-  subprocess.run(["mount", "-o", f"remount,size={size_kb}k", path], check=True)
-
-
-@contextlib.contextmanager
-def tmpfs(path, size_kb):
-  _mount(path, size_kb)
-  try:
-    yield path
-  finally:
-    subprocess.run(["umount", "-l", path], check=False)
-
-
-def _used_kb(path):
-  st = os.statvfs(path)
-  return (st.f_blocks - st.f_bfree) * st.f_frsize // 1024
-
-
 @pytest.fixture(scope="module")
 def cli_reference(tmp_path_factory):
   """The comparable parts of an uninterrupted CLI run."""
@@ -346,12 +322,12 @@ def test_a_disk_that_fills_then_grows_ends_as_an_uninterrupted_run(cli_reference
   """The fill points are set by the room left: 16 KiB (the first cell's logs and run
   record, not its checkpoint); half a cell after the first slice of the grid ran; 8 KiB
   after every cell ran as two slices (not the report's results.jsonl)."""
-  with tmpfs(str(tmp_path / "fs"), 16 if point == "first_save" else 16384) as fs:
+  with _tmpfs.tmpfs(str(tmp_path / "fs"), 16 if point == "first_save" else 16384) as fs:
     out = os.path.join(fs, "o")
     if point != "first_save":
       for k in ("1/2", "2/2") if point == "report" else ("1/2",):
         assert _cli(out, "--shard", k).returncode == 0
-      _remount(fs, _used_kb(fs) + (8 if point == "report" else 48))
+      _tmpfs.remount(fs, _tmpfs.used_kb(fs) + (8 if point == "report" else 48))
     p = _cli(out)
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 1, p.stderr[-3000:]
@@ -366,7 +342,7 @@ def test_a_disk_that_fills_then_grows_ends_as_an_uninterrupted_run(cli_reference
       assert not statuses and "cell fp32__s0" in lines[0], lines
     else:
       assert len(statuses) == 2 and "cell fp32__s1" in lines[0], lines
-    _remount(fs, 16384)
+    _tmpfs.remount(fs, 16384)
     p = _cli(out)
     assert p.returncode == 0, p.stderr[-3000:]
     assert comparable(out) == cli_reference

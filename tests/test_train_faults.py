@@ -18,6 +18,8 @@ import sys
 import jax
 import pytest
 
+import _tmpfs
+
 from experiments import train as train_cli
 from experiments import trainlib
 from precision import checkpoint
@@ -86,27 +88,9 @@ def test_other_errors_still_raise(capsys, monkeypatch):
 # ------------------------------------------------------------------ slow: a real full disk
 
 
-def _mount(path, size_kb):
-  os.makedirs(path, exist_ok=True)
-  p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", path],
-                     capture_output=True, text=True)
-  if p.returncode != 0:
-    pytest.skip(f"cannot mount a tmpfs (needs root): {p.stderr.strip()}")
-  return path
-
-
-def _remount(path, size_kb):
-  subprocess.run(["mount", "-o", f"remount,size={size_kb}k", path], check=True)
-
-
-def _used_kb(path):
-  st = os.statvfs(path)
-  return (st.f_blocks - st.f_bfree) * st.f_frsize // 1024
-
-
 @pytest.fixture()
 def fs(tmp_path):
-  path = _mount(str(tmp_path / "fs"), 16384)
+  path = _tmpfs.mount(str(tmp_path / "fs"), 16384)
   yield path
   subprocess.run(["umount", "-l", path], check=False)
 
@@ -125,7 +109,7 @@ def _no_orbax_errors_logged(caplog):
 
 @pytest.mark.slow  # trains the tiny GPT once
 def test_no_room_for_the_first_save(capsys, caplog, fs):
-  _remount(fs, 600)   # the run record fits, the first step (~1.3 MB) does not
+  _tmpfs.remount(fs, 600)   # the run record fits, the first step (~1.3 MB) does not
   d = os.path.join(fs, "c")
   code, _, err = _run(capsys, ["--ckpt-dir", d])
   assert code == 1 and len(err) == 1, err
@@ -141,14 +125,14 @@ def test_a_full_disk_at_a_save_with_keep_1_keeps_the_last_step_and_resumes(
   d = os.path.join(fs, "c")
   code, _, _ = _run(capsys, ["--ckpt-dir", d, "--keep", "1", "--stop-after", "2"])
   assert code == 0
-  _remount(fs, _used_kb(fs) + 600)   # room for half a step: step 4's save fails
+  _tmpfs.remount(fs, _tmpfs.used_kb(fs) + 600)   # room for half a step: step 4's save fails
   code, _, err = _run(capsys, ["--ckpt-dir", d, "--keep", "1", "--resume"])
   assert code == 1 and len(err) == 1, err
   assert f"Checkpoint {d} step 4: the save failed: No space left on device (ENOSPC)" in err[0]
   assert "the last good step 2 is intact and nothing was deleted" in err[0], err
   _no_orbax_errors_logged(caplog)
   assert checkpoint.Checkpointer(d).steps() == [2]
-  _remount(fs, 16384)
+  _tmpfs.remount(fs, 16384)
   code, summary, err = _run(capsys, ["--ckpt-dir", d, "--keep", "1", "--resume"])
   assert code == 0, err
   assert summary["fingerprint"] == uninterrupted["fingerprint"]
@@ -157,7 +141,7 @@ def test_a_full_disk_at_a_save_with_keep_1_keeps_the_last_step_and_resumes(
 
 @pytest.mark.slow  # trains the tiny GPT once
 def test_a_full_disk_under_the_out_log(capsys, fs):
-  _remount(fs, 4)
+  _tmpfs.remount(fs, 4)
   with open(os.path.join(fs, "ballast"), "wb") as f:
     f.write(b"\0" * 4096)      # the tmpfs is full; --out still opens (an empty file)
   log = os.path.join(fs, "log.jsonl")
