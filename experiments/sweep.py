@@ -1,8 +1,9 @@
 """The main job: the library's study (`precision.study`) on two byte-level language models.
 
-  python -m experiments.sweep                 # default: all recipes, 3 seeds, 300 steps
+  python -m experiments.sweep                 # default: all recipes, seeds until decided
   python -m experiments.sweep --quick         # about two minutes: tiny models, 3 recipes
-  python -m experiments.sweep --recipes fp32,pure_bf16 --seeds 5 --steps 400
+  python -m experiments.sweep --recipes fp32,pure_bf16 --max-seeds 12 --margin 0.03
+  python -m experiments.sweep --seeds 5 --steps 400   # a fixed number of seeds instead
 
 Two tasks, each a `precision.study.Task` trained under every recipe x seed against fp32
 on the embedded corpus (the Python standard library's sources; nothing is downloaded):
@@ -11,9 +12,17 @@ on the embedded corpus (the Python standard library's sources; nothing is downlo
     attention, jax.nn.softmax): what a user brings, reached only through the recipes.
 Both are judged by validation bits per byte (BPB, lower is better) at the last step.
 
-Scale-out and resumption are the study's: a rerun continues every unfinished cell
-bit-exactly; ``--shard K/N`` (or a Slurm array) runs one slice into a shared --out, then
-``--report-only`` merges. Outputs: OUT/gpt/ and OUT/plain_lm/ hold each study's
+Seeds are the study's sequential rule (``seeds="auto"``, `precision.study._sequential`):
+each task adds rounds of seeds (looks at 3, 6, ... up to --max-seeds) until every recipe is
+worse, better, or holds up within --margin of fp32, at stated error rates under that
+stopping; a decided recipe takes no more seeds. The chaos floor's arm (fp32 again from
+initial weights one ulp away) says how far training moves by itself, so an "undecided
+after N seeds" row says whether the margin sits below that motion.
+
+Resumption is the study's: a rerun continues every unfinished cell bit-exactly. With a
+fixed ``--seeds N``, ``--shard K/N`` (or a Slurm array) runs one slice into a shared --out,
+then ``--report-only`` merges; the sequential rule decides each round from every finished
+cell, so it runs in one process and refuses --shard. Outputs: OUT/gpt/ and OUT/plain_lm/ hold each study's
 summary.md, summary.json, results.jsonl, loss_curves.png and loss_scale.png; OUT/summary.md
 puts both tables together with the GPT's numeric gate (one forward and backward against
 fp32 on the same weights and batch, limits in units of each format's unit roundoff).
@@ -39,15 +48,16 @@ import precision as mp
 
 mp.enable_faithful_rounding()
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from precision import study  # noqa: E402
 from precision.checkpoint import CheckpointError  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
 from experiments import gates  # noqa: E402
-from experiments import trainlib  # noqa: E402
 from models import gpt as gpt_lib  # noqa: E402
 from models import plain_lm  # noqa: E402
 
@@ -66,19 +76,24 @@ class SweepConfig:
 
   Attributes:
     recipes: preset names (fp32, the control, is added when missing).
-    seeds, steps: per recipe and cell.
+    seeds: "auto" (the study's sequential rule: rounds of seeds until every recipe is
+      decided, up to `max_seeds`) or a fixed number of seeds per recipe (>= 2).
+    max_seeds: the budget per recipe of seeds="auto".
+    steps: optimizer steps per cell.
     model: GPT preset (models.gpt.CONFIGS); plain_d/plain_layers: the plain LM's size.
     batch, seq, lr: training batches (bytes) and AdamW's peak learning rate (warmup, then
       cosine decay, global-norm clip 1.0, as experiments.train).
     eval_every, eval_batches: validation cadence and fixed validation batches.
     margin: equivalence margin in BPB ("holds up within margin").
+    floor: the chaos floor's arm (fp32 from weights one ulp away), beside the verdicts.
     tasks: which of TASKS to run.
     gate_batch: batch of the numeric gate (0: no gate).
     timing_rounds: interleaved step-timing rounds per task (the step-time column).
   """
 
   recipes: tuple[str, ...] = ALL_RECIPES
-  seeds: int = 3
+  seeds: int | str = "auto"
+  max_seeds: int = 6
   steps: int = 300
   model: str = "small"
   plain_d: int = 64
@@ -89,22 +104,48 @@ class SweepConfig:
   eval_every: int = 30
   eval_batches: int = 8
   margin: float = 0.02
+  floor: bool = True
   tasks: tuple[str, ...] = TASKS
   gate_batch: int = 4
   timing_rounds: int = 5
 
+  def __post_init__(self):
+    if self.seeds != "auto" and not (isinstance(self.seeds, int)
+                                     and not isinstance(self.seeds, bool) and self.seeds >= 2):
+      raise ValueError(f"seeds={self.seeds!r}; accepted: 'auto' or an integer >= 2")
+    if isinstance(self.max_seeds, bool) or not isinstance(self.max_seeds, int) \
+        or self.max_seeds < 2:
+      raise ValueError(f"max_seeds={self.max_seeds!r}; accepted: an integer >= 2")
+
+  @property
+  def sequential(self) -> bool:
+    return self.seeds == "auto"
+
+  def seeds_words(self) -> str:
+    return (f"seeds added in rounds until decided (up to {self.max_seeds} per recipe)"
+            if self.sequential else f"{self.seeds} seeds per recipe")
+
   @classmethod
   def quick(cls, **overrides) -> SweepConfig:
-    base = dict(recipes=QUICK_RECIPES, seeds=3, steps=24, model="tiny", plain_d=32,
+    base = dict(recipes=QUICK_RECIPES, max_seeds=3, steps=24, model="tiny", plain_d=32,
                 plain_layers=1, batch=4, seq=32, eval_every=8, eval_batches=1, gate_batch=2,
                 timing_rounds=2)
     base.update(overrides)
     return cls(**base)
 
 
-def _optimizer(cfg: SweepConfig):
-  return trainlib.inner_optimizer(trainlib.TrainConfig(steps=cfg.steps, lr=cfg.lr,
-                                                       batch=cfg.batch, seq=cfg.seq))
+def _optimizer(cfg: SweepConfig) -> optax.GradientTransformation:
+  """experiments.train's inner optimizer: global-norm clip 1.0 (in f32), then AdamW
+  (b1 0.9, b2 0.95, weight decay 0.1 on matrices only) at a linear warmup over steps // 10
+  (at most 100) and a cosine decay to lr / 10. The recipe wraps it (master weights, loss
+  scale, skips)."""
+  warmup = max(1, min(100, cfg.steps // 10))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+      decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * 0.1)
+  adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1,
+                      mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
+  return optax.chain(mp.optim.clip_by_global_norm(1.0), adamw)
 
 
 def _batches(corpus, cfg: SweepConfig):
@@ -157,7 +198,8 @@ def _run_task(name, cfg, out, shard, report_only, progress, corpus):
                              timing_rounds=cfg.timing_rounds)
   return study.run(task, cfg.recipes, cfg.seeds, cfg.steps, where, eval_every=cfg.eval_every,
                    shard=shard, margin=cfg.margin, growth_interval="auto",
-                   timing_rounds=cfg.timing_rounds, progress=progress)
+                   timing_rounds=cfg.timing_rounds, progress=progress, floor=cfg.floor,
+                   **({"max_seeds": cfg.max_seeds} if cfg.sequential else {}))
 
 
 def _gate_markdown(cfg: SweepConfig, corpus) -> str:
@@ -185,34 +227,104 @@ def _gate_markdown(cfg: SweepConfig, corpus) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _short_verdict(row: dict, margin: float) -> str:
+  """A recipe's decision in a few words: the rule's verdict, its mean difference and the
+  seeds it took (the task's own table has the intervals and every seed)."""
+  code, n = row.get("verdict_code"), row.get("seeds_used")
+  mean = row.get("mean_delta")
+  delta = "" if mean is None else f"Δ {mean:+.4f}" + (
+      f" ({100 * row['relative_delta']:+.2g}%)" if row.get("relative_delta") is not None else "")
+  if code == "holds_up" or (code == "no_difference" and row.get("equivalent")):
+    words = f"holds up within ±{margin:g}"
+  elif code in ("worse", "better"):
+    words = code + (" (practically equivalent: " + row["practically_equivalent"] + ")"
+                    if row.get("practically_equivalent") else "")
+  elif code == "no_difference":
+    words = f"no difference detected, not shown within ±{margin:g}"
+  elif code == "undecided":
+    words = f"undecided after {n} seeds"
+  else:  # diverged, failed: the study's words say on which seeds
+    words = row.get("verdict", code)
+  return f"{words}; {delta}, {n} seeds" if delta else f"{words}; {n} seeds"
+
+
+def _decisions_markdown(cfg: SweepConfig, results: dict) -> str:
+  """Both tasks side by side: each recipe's decision and seeds, and each task's chaos
+  floor (the motion of fp32 against itself) with its control metric."""
+  names = list(results)
+  lines = ["## Decisions", "",
+           "Δ = recipe - fp32 in validation BPB on the same seed (lower is better); the "
+           "seeds are those the recipe ran. Each task's section below has the intervals, "
+           "every seed's Δ, the costs and the rules.", "",
+           "| recipe | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+  rows = {t: r.summary["recipes"] for t, r in results.items()}
+  for arm in rows[names[0]]:
+    if any(rows[t].get(arm, {}).get("verdict_code") in ("control", "floor") for t in names):
+      continue
+    lines.append(f"| {arm} | " + " | ".join(
+        _short_verdict(rows[t][arm], cfg.margin) if arm in rows[t] else "-" for t in names)
+        + " |")
+  lines.append("")
+  for t, r in results.items():
+    ctrl = [x for x in rows[t]["fp32"]["final_metric"] if x is not None]
+    floor = r.summary.get("floor") or {}
+    words = (f"chaos floor rms {floor['rms']:.3g} BPB over {len(floor.get('deltas', []))} "
+             f"seeds (max {floor['max_abs']:.3g})" if floor.get("rms") is not None
+             else "no chaos floor")
+    below = (f"; the margin ±{cfg.margin:g} is below it" if floor.get("margin_below_floor")
+             else f"; the margin ±{cfg.margin:g} is above it" if floor.get("rms") is not None
+             else "")
+    lines.append(f"- {t}: fp32 {np.mean(ctrl):.4f} BPB over {len(ctrl)} seeds; "
+                 f"{words}{below}.")
+  return "\n".join(lines) + "\n"
+
+
 def run_sweep(cfg: SweepConfig, out: str, shard=None, report_only=False, progress=True):
   """Runs (a slice of) both studies; with every cell done writes OUT/summary.md.
 
   Returns:
     {"results": {task: StudyResult | None}, "markdown": the combined summary or None
-    (slices still to run), "elapsed_s"}.
+    (slices still to run), "elapsed_s", "cpu_s"}.
+
+  Raises:
+    ValueError: a shard with seeds="auto" (one line; nothing is written).
   """
-  t0 = time.time()
+  if shard is not None and cfg.sequential:
+    raise ValueError(f"shard={shard!r} with seeds='auto'; accepted: a fixed number of seeds "
+                     "(--seeds N) to run slices: the sequential rule decides each round from "
+                     "every finished cell, in one process")
+  t0, c0 = time.time(), _cpu_s()
   corpus = data_lib.load_corpus()
   results = {name: _run_task(name, cfg, out, shard, report_only, progress, corpus)
              for name in cfg.tasks}
   if any(r is None for r in results.values()):
-    return {"results": results, "markdown": None, "elapsed_s": time.time() - t0}
+    return {"results": results, "markdown": None, "elapsed_s": time.time() - t0,
+            "cpu_s": _cpu_s() - c0}
   parts = [f"# Recipe sweep\n\n{len(cfg.tasks)} tasks, {cfg.steps} steps, batch "
-           f"{cfg.batch} x seq {cfg.seq}, lr {cfg.lr}, {cfg.seeds} seeds per recipe, faithful "
-           f"rounding {mp.faithful_rounding_enabled()}. Each task's own folder holds its "
-           "summary, curves and every step; the tables are theirs.\n"]
+           f"{cfg.batch} x seq {cfg.seq}, lr {cfg.lr}, {cfg.seeds_words()}, margin "
+           f"±{cfg.margin:g} BPB, faithful rounding {mp.faithful_rounding_enabled()}. Each "
+           "task's own folder holds its summary, curves and every step; the tables below "
+           "are theirs.\n", _decisions_markdown(cfg, results)]
   for name, r in results.items():
     parts.append(r.markdown.replace("# Study: ", f"## {name}: ", 1))
   if cfg.gate_batch and "gpt" in cfg.tasks:
     parts.append(_gate_markdown(cfg, corpus))
-  elapsed = time.time() - t0
-  parts.append(f"This invocation took {elapsed / 60:.1f} min on {os.cpu_count()} CPU cores "
-               "(cells already finished by an earlier invocation are not counted).\n")
+  elapsed, cpu = time.time() - t0, _cpu_s() - c0
+  load = os.getloadavg()
+  parts.append(f"This invocation took {elapsed / 60:.1f} min wall and {cpu / 60:.1f} "
+               f"CPU-minutes on {os.cpu_count()} CPU cores, load average at its end "
+               f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min; other "
+               "jobs included); cells finished by an earlier invocation are not counted.\n")
   md = "\n".join(parts)
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write(md)
-  return {"results": results, "markdown": md, "elapsed_s": elapsed}
+  return {"results": results, "markdown": md, "elapsed_s": elapsed, "cpu_s": cpu}
+
+
+def _cpu_s() -> float:
+  """This process's user + system CPU seconds (XLA's threads included)."""
+  t = os.times()
+  return t.user + t.system
 
 
 def _fault_line(e: BaseException, out: str) -> str:
@@ -234,21 +346,35 @@ def main(argv=None) -> int:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--recipes", help=f"comma-separated presets (default: {','.join(ALL_RECIPES)}; "
                                     f"also {','.join(MICROSCALED)})")
-  ap.add_argument("--seeds", type=int)
+  ap.add_argument("--seeds", help="'auto' (default: rounds of seeds until every recipe is "
+                                  "decided) or a fixed number of seeds per recipe")
+  ap.add_argument("--max-seeds", type=int, help="the budget per recipe of --seeds auto "
+                                               f"(default {SweepConfig.max_seeds})")
   ap.add_argument("--steps", type=int)
   ap.add_argument("--model", choices=tuple(gpt_lib.CONFIGS))
   ap.add_argument("--tasks", help=f"comma-separated, of {','.join(TASKS)} (default both)")
-  ap.add_argument("--margin", type=float, help="equivalence margin in BPB (default 0.02)")
+  ap.add_argument("--margin", type=float,
+                  help=f"equivalence margin in BPB (default {SweepConfig.margin})")
   ap.add_argument("--out", default="sweep_out")
-  ap.add_argument("--shard", help="K/N: run slice K of N of each task's grid")
+  ap.add_argument("--shard", help="K/N: run slice K of N of each task's grid (with --seeds N)")
   ap.add_argument("--report-only", action="store_true")
   ap.add_argument("--quick", action="store_true", help="tiny models, 3 recipes")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--debug", action="store_true",
                   help="print the traceback of an error, not only its line")
   args = ap.parse_args(argv)
-  overrides = {k: v for k, v in dict(seeds=args.seeds, steps=args.steps, model=args.model,
-                                     margin=args.margin).items() if v is not None}
+  seeds = args.seeds
+  if seeds is not None and seeds != "auto":
+    try:
+      seeds = int(seeds)
+    except ValueError:
+      ap.error(f"--seeds {seeds!r}; accepted: auto or an integer >= 2")
+  if args.max_seeds is not None and seeds not in (None, "auto"):
+    ap.error(f"--max-seeds {args.max_seeds} with --seeds {seeds}; accepted: --max-seeds "
+             "only with --seeds auto (the default)")
+  overrides = {k: v for k, v in dict(seeds=seeds, max_seeds=args.max_seeds, steps=args.steps,
+                                     model=args.model, margin=args.margin).items()
+               if v is not None}
   if args.recipes:
     overrides["recipes"] = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
   if args.tasks:
@@ -256,7 +382,10 @@ def main(argv=None) -> int:
     bad = [t for t in overrides["tasks"] if t not in TASKS]
     if bad:
       ap.error(f"--tasks {bad}; accepted: {', '.join(TASKS)}")
-  cfg = SweepConfig.quick(**overrides) if args.quick else SweepConfig(**overrides)
+  try:
+    cfg = SweepConfig.quick(**overrides) if args.quick else SweepConfig(**overrides)
+  except ValueError as e:
+    ap.error(str(e).replace("max_seeds=", "--max-seeds ").replace("seeds=", "--seeds "))
   # A compilation-cache entry that cannot be written is only a slower compile; a full
   # disk is reported by the study's own writes, in one line.
   for verb in ("writing", "reading"):
@@ -283,7 +412,11 @@ def main(argv=None) -> int:
     return 0
   print(result["markdown"])
   print(json.dumps({"out": args.out, "elapsed_s": round(result["elapsed_s"], 1),
-                    "verdicts": {t: {a: r["verdict"] for a, r in res.rows.items()}
+                    "cpu_s": round(result["cpu_s"], 1),
+                    "verdicts": {t: {a: {"verdict": r["verdict_code"],
+                                         "seeds_used": r.get("seeds_used"),
+                                         "decided": r.get("decided")}
+                                     for a, r in res.rows.items() if not r.get("control")}
                                  for t, res in result["results"].items()}}))
   return 0
 
