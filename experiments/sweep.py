@@ -81,7 +81,8 @@ class SweepConfig:
     max_seeds: the budget per recipe of seeds="auto".
     steps: optimizer steps per cell.
     model: GPT preset (models.gpt.CONFIGS); plain_d/plain_layers: the plain LM's size.
-    batch, seq, lr: training batches (bytes) and AdamW's peak learning rate (warmup, then
+    batch, seq: training batches (bytes per step: batch sequences of seq + 1 bytes).
+    lr, plain_lr: AdamW's peak learning rate for the GPT and the plain LM (warmup, then
       cosine decay, global-norm clip 1.0, as experiments.train).
     eval_every, eval_batches: validation cadence and fixed validation batches.
     margin: equivalence margin in BPB ("holds up within margin").
@@ -94,16 +95,17 @@ class SweepConfig:
   recipes: tuple[str, ...] = ALL_RECIPES
   seeds: int | str = "auto"
   max_seeds: int = 6
-  steps: int = 300
-  model: str = "small"
+  steps: int = 200
+  model: str = "tiny"
   plain_d: int = 64
   plain_layers: int = 2
   batch: int = 8
   seq: int = 128
-  lr: float = 3e-3
-  eval_every: int = 30
+  lr: float = 1e-3
+  plain_lr: float = 3e-3
+  eval_every: int = 50
   eval_batches: int = 8
-  margin: float = 0.02
+  margin: float = 0.01
   floor: bool = True
   tasks: tuple[str, ...] = TASKS
   gate_batch: int = 4
@@ -134,15 +136,15 @@ class SweepConfig:
     return cls(**base)
 
 
-def _optimizer(cfg: SweepConfig) -> optax.GradientTransformation:
+def _optimizer(cfg: SweepConfig, lr: float) -> optax.GradientTransformation:
   """experiments.train's inner optimizer: global-norm clip 1.0 (in f32), then AdamW
   (b1 0.9, b2 0.95, weight decay 0.1 on matrices only) at a linear warmup over steps // 10
   (at most 100) and a cosine decay to lr / 10. The recipe wraps it (master weights, loss
   scale, skips)."""
   warmup = max(1, min(100, cfg.steps // 10))
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-      decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * 0.1)
+      init_value=0.0, peak_value=lr, warmup_steps=warmup,
+      decay_steps=max(cfg.steps, warmup + 1), end_value=lr * 0.1)
   adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1,
                       mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
   return optax.chain(mp.optim.clip_by_global_norm(1.0), adamw)
@@ -176,14 +178,15 @@ def make_task(name: str, cfg: SweepConfig, corpus=None) -> study.Task:
     gcfg = gpt_lib.get_config(cfg.model)
     return study.Task(init=lambda seed: gpt_lib.GPT(gcfg, rngs=nnx.Rngs(seed)),
                       loss=gpt_lib.loss_fn, batches=_batches(corpus, cfg),
-                      optimizer=_optimizer(cfg),
+                      optimizer=_optimizer(cfg, cfg.lr),
                       evaluate=_bpb_evaluate(gpt_lib.loss_fn, val),
                       name=f"gpt ({cfg.model}), validation BPB")
   if name == "plain_lm":
     return study.Task(
         init=lambda seed: plain_lm.PlainLM(d=cfg.plain_d, layers=cfg.plain_layers,
                                            rngs=nnx.Rngs(seed)),
-        loss=plain_lm.loss_fn, batches=_batches(corpus, cfg), optimizer=_optimizer(cfg),
+        loss=plain_lm.loss_fn, batches=_batches(corpus, cfg),
+        optimizer=_optimizer(cfg, cfg.plain_lr),
         evaluate=_bpb_evaluate(plain_lm.loss_fn, val),
         name=f"plain_lm (d={cfg.plain_d}, {cfg.plain_layers} layers, no dtype in mind), "
              "validation BPB")
@@ -301,7 +304,8 @@ def run_sweep(cfg: SweepConfig, out: str, shard=None, report_only=False, progres
     return {"results": results, "markdown": None, "elapsed_s": time.time() - t0,
             "cpu_s": _cpu_s() - c0}
   parts = [f"# Recipe sweep\n\n{len(cfg.tasks)} tasks, {cfg.steps} steps, batch "
-           f"{cfg.batch} x seq {cfg.seq}, lr {cfg.lr}, {cfg.seeds_words()}, margin "
+           f"{cfg.batch} x seq {cfg.seq}, lr {cfg.lr:g} (gpt) / {cfg.plain_lr:g} (plain_lm), "
+           f"{cfg.seeds_words()}, margin "
            f"±{cfg.margin:g} BPB, faithful rounding {mp.faithful_rounding_enabled()}. Each "
            "task's own folder holds its summary, curves and every step; the tables below "
            "are theirs.\n", _decisions_markdown(cfg, results)]

@@ -120,7 +120,7 @@ def test_sweep_optimizer_is_experiments_train_s():
   import numpy as np
   from experiments import trainlib
   cfg = sweep.SweepConfig(steps=40, lr=2e-3)
-  ours = sweep._optimizer(cfg)
+  ours = sweep._optimizer(cfg, cfg.lr)
   theirs = trainlib.inner_optimizer(trainlib.TrainConfig(steps=40, lr=2e-3))
   params = {"w": jnp.ones((3, 4), jnp.float32), "b": jnp.zeros((4,), jnp.float32)}
   a, b = ours.init(params), theirs.init(params)
