@@ -240,8 +240,10 @@ def _short_verdict(row: dict, margin: float) -> str:
   if code == "holds_up" or (code == "no_difference" and row.get("equivalent")):
     words = f"holds up within ±{margin:g}"
   elif code in ("worse", "better"):
-    words = code + (" (practically equivalent: " + row["practically_equivalent"] + ")"
-                    if row.get("practically_equivalent") else "")
+    # A shown difference smaller than the margin: both decisions hold, and the row says so.
+    words = code + (f" and holds up within ±{margin:g}" if row.get("equivalent") else "") + (
+        " (practically equivalent: " + row["practically_equivalent"] + ")"
+        if row.get("practically_equivalent") else "")
   elif code == "no_difference":
     words = f"no difference detected, not shown within ±{margin:g}"
   elif code == "undecided":

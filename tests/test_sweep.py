@@ -146,6 +146,10 @@ def test_short_verdicts_name_the_decision_and_its_seeds():
       row(verdict_code="better", practically_equivalent="smaller than the margin ±0.05"),
       margin)
   assert small.startswith("better (practically equivalent: smaller than the margin")
+  both = sweep._short_verdict(row(verdict_code="worse", equivalent=True,
+                                  practically_equivalent="smaller than the margin ±0.05"),
+                              margin)
+  assert both.startswith("worse and holds up within ±0.05 (practically equivalent")
   assert sweep._short_verdict(row(verdict_code="undecided"), margin).startswith(
       "undecided after 6 seeds")
   assert sweep._short_verdict(row(verdict_code="diverged", verdict="diverged on 2 of 6 seeds"),
