@@ -72,7 +72,22 @@ TASKS = ("gpt", "plain_lm")
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-  """What the sweep runs. Defaults: the CPU main job.
+  """What the sweep runs. Defaults: the CPU main job, chosen from measurements on the
+  project's 2-core CPU (README, "What the default sweep showed"):
+
+  * lr 1e-3 for the GPT: at 3e-3 its runs are chaotic (the `tiny` GPT's bf16_mixed moved
+    +0.006 and -0.036 BPB on two seeds; the `small` one's per-seed sd was 0.047), at 1e-3
+    the sd of a bf16 recipe's per-seed difference is 0.0004. The plain LM is calm at 3e-3
+    (0.0003) and keeps it.
+  * model "tiny", 200 steps, batch 8 x 128: with 7 recipes, fp32 and the chaos floor a
+    task runs 24 cells at 3 seeds and 48 at 6; a `small` GPT cell costs 2 to 3 times a
+    `tiny` one, which would not fit 15 minutes.
+  * margin 0.01 BPB: 0.3% of the metric, under half of what pure_bf16 loses, and 20 to 30
+    times the bf16 recipes' spread, so the rule's first look (3 seeds, about sd < margin /
+    6.5 with 6 recipes) can show a recipe within it.
+  * max_seeds 6: looks at 3 and 6 seeds; a larger budget makes the first look's
+    boundaries stricter (t > 15.9 at 3 seeds with 6, 20.1 with 9), and the worst case (96
+    cells) still fits.
 
   Attributes:
     recipes: preset names (fp32, the control, is added when missing).
