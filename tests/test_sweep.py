@@ -66,6 +66,7 @@ def test_dynamic_loss_scale_growth_interval_is_the_sweeps(quick):
   study = json.load(open(os.path.join(out, "gpt", "study.json")))
   f16 = next(r for r in study["identity"]["recipes"] if r["name"] == "f16_mixed")
   assert f16["loss_scale"]["growth_interval"] == max(1, cfg.steps // 15)
+  assert study["settings"]["save_every"] == cfg.steps // 2  # the sweep's, not steps // 10
   assert "study setting `growth_interval`" in open(os.path.join(out, "gpt",
                                                                 "summary.md")).read()
 
