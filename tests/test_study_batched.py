@@ -331,3 +331,130 @@ def test_how_far_a_seed_moves_with_k_and_sharding(name, recipe):
     assert d_loss < 1e-4 and d_param < 1e-4, (label, d_loss, d_param)
   print(f"\n{name} {recipe} vs one-seed programs, seeds 0-3, {steps} steps:\n  "
         + "\n  ".join(lines))
+
+
+# ------------------------------------------------------------ with seeds="auto", retries
+
+AUTO = dict(seeds="auto", max_seeds=3, margin=0.0004, steps=3, eval_every=3, save_every=3)
+
+
+def _without_batching(summary):
+  """summary.json less what names the batching (its identity's "seed_batch")."""
+  if isinstance(summary, dict):
+    return {k: _without_batching(v) for k, v in summary.items() if k != "seed_batch"}
+  if isinstance(summary, list):
+    return [_without_batching(v) for v in summary]
+  return summary
+
+
+def _done_fingerprints(out):
+  cells = os.path.join(str(out), "cells")
+  return {c: json.load(open(os.path.join(cells, c, "done.json")))["fingerprint"]
+          for c in sorted(os.listdir(cells))}
+
+
+def test_sequential_rounds_run_batched_with_one_seed_cells_numbers(tmp_path):
+  # One round of 3 seeds (fp32, bf16_mixed and the floor arm): K = 2 groups them 2 + 1
+  # (the second padded to 2). Each cell's bits are the one-seed cell's (the looped or
+  # one-per-device step is bit-equal on this task), so the summaries are the same.
+  t = task()
+  one = _run(t, tmp_path / "one", seed_batch=1, **AUTO)
+  two = _run(t, tmp_path / "two", seed_batch=2, **AUTO)
+  ident = json.load(open(tmp_path / "two" / "study.json"))["identity"]
+  assert ident["seed_batch"] == {"k": 2, "devices": 2}
+  assert "seed_batch" not in json.load(open(tmp_path / "one" / "study.json"))["identity"]
+  fp = _done_fingerprints(tmp_path / "one")
+  assert sorted(fp) == [f"{a}__s{i}" for a in ("bf16_mixed", "fp32", "fp32-floor")
+                        for i in range(3)]
+  assert _done_fingerprints(tmp_path / "two") == fp
+  from precision.study import _report
+  assert (_without_batching(_report.comparable(two.summary))
+          == _without_batching(_report.comparable(one.summary)))
+
+
+def _broken_task(broken):
+  """params_mlp whose seed 1 raises at its 3rd batch while `broken["on"]`."""
+  base = task()
+
+  def batches(seed):
+    for i, b in enumerate(base.batches(seed)):
+      if broken["on"] and seed == 1 and i == 2:
+        raise RuntimeError("seed 1's data went missing")
+      yield b
+
+  return study.Task(init=base.init, loss=base.loss, batches=batches,
+                    optimizer=base.optimizer, name="params_mlp")
+
+
+def test_retry_failed_in_a_batched_group_gives_the_groups_numbers(tmp_path):
+  # Seed 1 fails at its 3rd step inside a K = 2 group (seed 0 finishes beside it); the
+  # retry trains it alone from its step-2 checkpoint in a group padded to 2: the cells
+  # end with the bits of an uninterrupted K = 2 study, the failed record kept aside.
+  broken = {"on": True}
+  kw = dict(recipes=("fp32",), seed_batch=2)
+  ref = tmp_path / "ref"
+  broken["on"] = False
+  _run(_broken_task(broken), ref, **kw)
+  out = tmp_path / "out"
+  broken["on"] = True
+  assert _run(_broken_task(broken), out, **kw) is not None   # a finished (failed) study
+  s1 = os.path.join(str(out), "cells", "fp32__s1")
+  failed = json.load(open(os.path.join(s1, "done.json")))
+  assert failed["status"] == "failed" and "seed 1's data went missing" in failed["error"]
+  assert json.load(open(out / "cells" / "fp32__s0" / "done.json"))["status"] == "ok"
+  broken["on"] = False
+  _run(_broken_task(broken), out, **kw)    # a rerun keeps the failed cell
+  assert json.load(open(os.path.join(s1, "done.json")))["status"] == "failed"
+  _run(_broken_task(broken), out, retry_failed=True, **kw)
+  assert _done_fingerprints(out) == _done_fingerprints(ref)
+  assert os.path.exists(os.path.join(s1, "done.failed.json"))
+  assert os.path.exists(os.path.join(s1, "error.failed.txt"))
+  events = [(r["event"], r["step"]) for r in _cells.read_jsonl(
+      os.path.join(s1, "attempts.jsonl"))]
+  assert events == [("start", 0), ("resume", 2)], events
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(seed_batch=-1), r"seed_batch=-1; accepted: an integer from 1 to the seeds per "
+     r"recipe \(2\)"),
+    (dict(**{**AUTO, "max_seeds": 4}, seed_batch=5), r"seed_batch=5; accepted: an integer "
+     r"from 1 to max_seeds \(4\), or None"),
+    (dict(**AUTO, seed_batch=0), r"seed_batch=0; accepted: an integer from 1 to max_seeds "
+     r"\(3\)"),
+])
+def test_bad_seed_batch_leaves_a_saved_study_as_it_was(tmp_path, kwargs, match):
+  # A study exists in `out`; a rerun with a bad seed_batch is refused before anything
+  # of it is read for writing: every file keeps its bytes.
+  t = task()
+  out = tmp_path / "s"
+  first = {k: v for k, v in kwargs.items() if k != "seed_batch"}
+  _run(t, out, recipes=("fp32",), **{**first, "steps": 2, "eval_every": 2,
+                                     "save_every": 2})
+  before = _tree_digest(out)
+  with pytest.raises(ValueError, match=match):
+    _run(t, out, recipes=("fp32",), **{**kwargs, "steps": 2, "eval_every": 2,
+                                       "save_every": 2})
+  assert _tree_digest(out) == before
+
+
+def test_unstackable_batches_with_seeds_auto_touch_nothing(tmp_path):
+  # The check covers every seed the budget may reach, before the first round.
+  with pytest.raises(ValueError, match="seeds 0 and 1 cannot be stacked"):
+    _run(_unstackable_task(), tmp_path / "b", seed_batch=2, **AUTO)
+  assert not (tmp_path / "b").exists()
+
+
+def test_cli_seed_batch_above_max_seeds_exits_2_with_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = tmp_path / "cli"
+  p = subprocess.run([sys.executable, "-m", "precision.study",
+                      os.path.join(TASKS, "params_mlp.py:task"), "--seeds", "auto",
+                      "--max-seeds", "6", "--margin", "0.01", "--seed-batch", "7",
+                      "--out", str(out), "--no-progress"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 2, p.stderr[-2000:]
+  lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+  assert lines == ["error: seed_batch=7; accepted: an integer from 1 to max_seeds (6), or "
+                   "None for the library's choice"], p.stderr[-2000:]
+  assert not out.exists()
