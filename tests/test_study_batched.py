@@ -16,9 +16,12 @@ import hashlib
 import json
 from unittest import mock
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -364,8 +367,8 @@ def test_sequential_rounds_run_batched_with_one_seed_cells_numbers(tmp_path):
   assert ident["seed_batch"] == {"k": 2, "devices": 2}
   assert "seed_batch" not in json.load(open(tmp_path / "one" / "study.json"))["identity"]
   fp = _done_fingerprints(tmp_path / "one")
-  assert sorted(fp) == [f"{a}__s{i}" for a in ("bf16_mixed", "fp32", "fp32-floor")
-                        for i in range(3)]
+  assert sorted(fp) == sorted(f"{a}__s{i}" for a in ("bf16_mixed", "fp32", "fp32-floor")
+                               for i in range(3))
   assert _done_fingerprints(tmp_path / "two") == fp
   from precision.study import _report
   assert (_without_batching(_report.comparable(two.summary))
@@ -458,3 +461,59 @@ def test_cli_seed_batch_above_max_seeds_exits_2_with_one_line(tmp_path):
   assert lines == ["error: seed_batch=7; accepted: an integer from 1 to max_seeds (6), or "
                    "None for the library's choice"], p.stderr[-2000:]
   assert not out.exists()
+
+
+def _step_records(out):
+  cells = os.path.join(str(out), "cells")
+  if not os.path.isdir(cells):
+    return 0
+  return sum(len(_cells.read_jsonl(os.path.join(cells, c, "steps.jsonl")))
+             for c in os.listdir(cells))
+
+
+@pytest.mark.slow  # a few minutes: 11 processes and two in-process studies
+def test_sequential_batched_study_killed_at_random_ends_as_one_seed_cells(tmp_path):
+  # A seeds="auto" study (two rounds: 6 seeds of fp32, bf16_mixed and the floor arm)
+  # with K = 2 is SIGKILLed 10 times at random points (while starting, or after a random
+  # number of new step records: mid-step of a batched group, mid-evaluation or
+  # mid-save), then rerun: its summary.json and every cell's bits are those of the same
+  # study of one-seed cells, run uninterrupted.
+  args = dict(seeds="auto", max_seeds=6, margin=0.0004, steps=12, eval_every=6,
+              save_every=2, timing_rounds=0, progress=False)
+  ref = _run(task(), tmp_path / "ref", seed_batch=1, **args)
+  assert ref.summary["recipes"]["bf16_mixed"]["seeds_used"] == 6   # two rounds
+  out = tmp_path / "killed"
+  script = (
+      "import jax, precision; precision.enable_faithful_rounding()\n"
+      "from precision import study\n"
+      f"t = study.load_task({os.path.join(TASKS, 'params_mlp.py:task')!r})\n"
+      "with jax.numpy_rank_promotion('allow'), jax.numpy_dtype_promotion('standard'):\n"
+      f"  study.run(t, ['fp32', 'bf16_mixed'], out={str(out)!r}, seed_batch=2, "
+      f"**{args!r})\n")
+  # The same 8 forced host devices as this process (conftest's XLA_FLAGS): K = 2 runs one
+  # seed per device, the identity the final in-process run checks.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  rng = random.Random(20261205)
+  for kill in range(10):
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    start = _step_records(out)
+    wanted = rng.choice([0, rng.randint(1, 10), rng.randint(1, 10)])
+    deadline = time.time() + (rng.uniform(0.5, 6.0) if wanted == 0 else 600)
+    while proc.poll() is None and time.time() < deadline and (
+        _step_records(out) - start < max(wanted, 1)):
+      time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.01))
+    assert proc.poll() is None, f"the study ended before kill {kill + 1}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  final = _run(task(), out, seed_batch=2, **args)
+  from precision.study import _report
+  assert (_without_batching(_report.comparable(final.summary))
+          == _without_batching(_report.comparable(ref.summary)))
+  assert _done_fingerprints(out) == _done_fingerprints(tmp_path / "ref")
+  resumed = [(c, r["step"]) for c in os.listdir(out / "cells")
+             for r in _cells.read_jsonl(os.path.join(out, "cells", c, "attempts.jsonl"))
+             if r["event"] == "resume"]
+  assert resumed, "no kill landed after a checkpoint of a batched group"
+  print(f"\nresumed from a checkpoint: {sorted(resumed)}")
