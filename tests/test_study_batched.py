@@ -6,12 +6,17 @@ seeds that share its group, the shard that runs it or the study's seed count (gr
 padded to K); a batched group killed and rerun ends bit-exactly as an uninterrupted
 one, with cells resumed from different checkpoints; a seed that diverges stops alone;
 NNX, Linen and param-pytree models train batched under fp32, bf16, stochastic-rounding,
-loss-scaled and fp8 recipes; and bad input is one ValueError (exit 2 from the CLI) that
-touches nothing saved. Measured and stated (printed, and asserted small): how far a
+loss-scaled and fp8 recipes; a seeds="auto" study runs its rounds batched with the bits
+and summary of one-seed cells, killed 10 times at random and rerun too; a failed cell is
+retried in a group of its own with its group's numbers; a fault of the environment in a
+group stops the run in one line and leaves its cell unfinished; and bad input (K below 1
+or above the seeds or max_seeds, batches that cannot be stacked) is one ValueError (exit
+2 from the CLI) that touches nothing saved. Measured and stated (printed, and asserted small): how far a
 seed's numbers move with K (1, 4, 8) and with the seed axis sharded over 8 devices.
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 from unittest import mock
@@ -517,3 +522,47 @@ def test_sequential_batched_study_killed_at_random_ends_as_one_seed_cells(tmp_pa
              if r["event"] == "resume"]
   assert resumed, "no kill landed after a checkpoint of a batched group"
   print(f"\nresumed from a checkpoint: {sorted(resumed)}")
+
+
+@pytest.mark.parametrize("fault", ["done.json", "checkpoint"])
+def test_a_fault_of_the_environment_in_a_group_leaves_its_cell_unfinished(tmp_path,
+                                                                          monkeypatch,
+                                                                          fault):
+  # The group's file operations are its cells' bookkeeping (`_cells.CellBook`), each
+  # under `library_io` as a one-seed cell's: a full disk writing fp32__s1's done.json,
+  # or an I/O error saving its checkpoint of step 4, stops the run with one line naming
+  # the cell, the operation and the path; the cell stays unfinished and the same call
+  # then ends with an uninterrupted run's bits.
+  from precision import checkpoint as ckpt_lib
+  from precision.study import _faults
+  t = task()
+  kw = dict(recipes=("fp32",), seed_batch=2)
+  _run(t, tmp_path / "ref", **kw)
+  out = tmp_path / "out"
+  if fault == "done.json":
+    real = _cells.write_atomic
+
+    def write_atomic(path, text):
+      if path.endswith(os.path.join("fp32__s1", "done.json")):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+      return real(path, text)
+    monkeypatch.setattr(_cells, "write_atomic", write_atomic)
+    want = (r"cell fp32__s1: writing done.json failed at .*fp32__s1/done.json: No space "
+            r"left on device \(ENOSPC\)")
+  else:
+    real = ckpt_lib.Checkpointer.save
+
+    def save(self, step, *a, **k):
+      if step == 4 and "fp32__s1" in str(self.directory):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+      return real(self, step, *a, **k)
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
+    want = (r"cell fp32__s1: saving its checkpoint of step 4 failed at .*fp32__s1/ckpt: "
+            r"Input/output error \(EIO\)")
+  with pytest.raises(_faults.StudyEnvironmentError, match=want) as e:
+    _run(t, out, **kw)
+  assert "\n" not in str(e.value)
+  assert _cells.read_done(str(out), study.make_config(["fp32"], 2, 6).grid()[1]) is None
+  monkeypatch.undo()
+  _run(t, out, **kw)
+  assert _done_fingerprints(out) == _done_fingerprints(tmp_path / "ref")

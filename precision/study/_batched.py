@@ -27,11 +27,13 @@ another program (bit-equal to one-seed cells on the MLP tasks, not on the Linen 
 K, the device count and `how` are therefore part of the study's identity
 (`identity_entry`) whenever K > 1.
 
-Cells keep the layout and files of one-seed cells (`_cells`): per-cell checkpoints,
-steps.jsonl, telemetry.jsonl, attempts.jsonl, done.json; a killed group resumes each
-cell from its own newest checkpoint (cells ahead wait, masked, for the others), so it
-ends bit-exactly as an uninterrupted group of the same K and devices. ``step_time_s``
-of a batched cell is the batched step's wall time divided by the seeds it advanced.
+Cells keep the layout and files of one-seed cells, kept by the same bookkeeping
+(`_cells.CellBook`, every file operation under `_faults.library_io`): per-cell
+checkpoints, steps.jsonl, telemetry.jsonl, attempts.jsonl, done.json; a killed group
+resumes each cell from its own newest checkpoint (cells ahead wait, masked, for the
+others), so it ends bit-exactly as an uninterrupted group of the same K and devices.
+``step_time_s`` of a batched cell is the batched step's wall time divided by the seeds
+it advanced.
 """
 
 from __future__ import annotations
