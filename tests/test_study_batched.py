@@ -6,19 +6,27 @@ seeds that share its group, the shard that runs it or the study's seed count (gr
 padded to K); a batched group killed and rerun ends bit-exactly as an uninterrupted
 one, with cells resumed from different checkpoints; a seed that diverges stops alone;
 NNX, Linen and param-pytree models train batched under fp32, bf16, stochastic-rounding,
-loss-scaled and fp8 recipes; and bad input is one ValueError (exit 2 from the CLI) that
-touches nothing saved. Measured and stated (printed, and asserted small): how far a
+loss-scaled and fp8 recipes; a seeds="auto" study runs its rounds batched with the bits
+and summary of one-seed cells, killed 10 times at random and rerun too; a failed cell is
+retried in a group of its own with its group's numbers; a fault of the environment in a
+group stops the run in one line and leaves its cell unfinished; and bad input (K below 1
+or above the seeds or max_seeds, batches that cannot be stacked) is one ValueError (exit
+2 from the CLI) that touches nothing saved. Measured and stated (printed, and asserted small): how far a
 seed's numbers move with K (1, 4, 8) and with the seed axis sharded over 8 devices.
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 from unittest import mock
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -331,3 +339,230 @@ def test_how_far_a_seed_moves_with_k_and_sharding(name, recipe):
     assert d_loss < 1e-4 and d_param < 1e-4, (label, d_loss, d_param)
   print(f"\n{name} {recipe} vs one-seed programs, seeds 0-3, {steps} steps:\n  "
         + "\n  ".join(lines))
+
+
+# ------------------------------------------------------------ with seeds="auto", retries
+
+AUTO = dict(seeds="auto", max_seeds=3, margin=0.0004, steps=3, eval_every=3, save_every=3)
+
+
+def _without_batching(summary):
+  """summary.json less what names the batching (its identity's "seed_batch")."""
+  if isinstance(summary, dict):
+    return {k: _without_batching(v) for k, v in summary.items() if k != "seed_batch"}
+  if isinstance(summary, list):
+    return [_without_batching(v) for v in summary]
+  return summary
+
+
+def _done_fingerprints(out):
+  cells = os.path.join(str(out), "cells")
+  return {c: json.load(open(os.path.join(cells, c, "done.json")))["fingerprint"]
+          for c in sorted(os.listdir(cells))}
+
+
+def test_sequential_rounds_run_batched_with_one_seed_cells_numbers(tmp_path):
+  # One round of 3 seeds (fp32, bf16_mixed and the floor arm): K = 2 groups them 2 + 1
+  # (the second padded to 2). Each cell's bits are the one-seed cell's (the looped or
+  # one-per-device step is bit-equal on this task), so the summaries are the same.
+  t = task()
+  one = _run(t, tmp_path / "one", seed_batch=1, **AUTO)
+  two = _run(t, tmp_path / "two", seed_batch=2, **AUTO)
+  ident = json.load(open(tmp_path / "two" / "study.json"))["identity"]
+  assert ident["seed_batch"] == {"k": 2, "devices": 2}
+  assert "seed_batch" not in json.load(open(tmp_path / "one" / "study.json"))["identity"]
+  fp = _done_fingerprints(tmp_path / "one")
+  assert sorted(fp) == sorted(f"{a}__s{i}" for a in ("bf16_mixed", "fp32", "fp32-floor")
+                               for i in range(3))
+  assert _done_fingerprints(tmp_path / "two") == fp
+  from precision.study import _report
+  assert (_without_batching(_report.comparable(two.summary))
+          == _without_batching(_report.comparable(one.summary)))
+
+
+def _broken_task(broken):
+  """params_mlp whose seed 1 raises at its 3rd batch while `broken["on"]`."""
+  base = task()
+
+  def batches(seed):
+    for i, b in enumerate(base.batches(seed)):
+      if broken["on"] and seed == 1 and i == 2:
+        raise RuntimeError("seed 1's data went missing")
+      yield b
+
+  return study.Task(init=base.init, loss=base.loss, batches=batches,
+                    optimizer=base.optimizer, name="params_mlp")
+
+
+def test_retry_failed_in_a_batched_group_gives_the_groups_numbers(tmp_path):
+  # Seed 1 fails at its 3rd step inside a K = 2 group (seed 0 finishes beside it); the
+  # retry trains it alone from its step-2 checkpoint in a group padded to 2: the cells
+  # end with the bits of an uninterrupted K = 2 study, the failed record kept aside.
+  broken = {"on": True}
+  kw = dict(recipes=("fp32",), seed_batch=2)
+  ref = tmp_path / "ref"
+  broken["on"] = False
+  _run(_broken_task(broken), ref, **kw)
+  out = tmp_path / "out"
+  broken["on"] = True
+  assert _run(_broken_task(broken), out, **kw) is not None   # a finished (failed) study
+  s1 = os.path.join(str(out), "cells", "fp32__s1")
+  failed = json.load(open(os.path.join(s1, "done.json")))
+  assert failed["status"] == "failed" and "seed 1's data went missing" in failed["error"]
+  assert json.load(open(out / "cells" / "fp32__s0" / "done.json"))["status"] == "ok"
+  broken["on"] = False
+  _run(_broken_task(broken), out, **kw)    # a rerun keeps the failed cell
+  assert json.load(open(os.path.join(s1, "done.json")))["status"] == "failed"
+  _run(_broken_task(broken), out, retry_failed=True, **kw)
+  assert _done_fingerprints(out) == _done_fingerprints(ref)
+  assert os.path.exists(os.path.join(s1, "done.failed.json"))
+  assert os.path.exists(os.path.join(s1, "error.failed.txt"))
+  events = [(r["event"], r["step"]) for r in _cells.read_jsonl(
+      os.path.join(s1, "attempts.jsonl"))]
+  assert events == [("start", 0), ("resume", 2)], events
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(seed_batch=-1), r"seed_batch=-1; accepted: an integer from 1 to the seeds per "
+     r"recipe \(2\)"),
+    (dict(**{**AUTO, "max_seeds": 4}, seed_batch=5), r"seed_batch=5; accepted: an integer "
+     r"from 1 to max_seeds \(4\), or None"),
+    (dict(**AUTO, seed_batch=0), r"seed_batch=0; accepted: an integer from 1 to max_seeds "
+     r"\(3\)"),
+])
+def test_bad_seed_batch_leaves_a_saved_study_as_it_was(tmp_path, kwargs, match):
+  # A study exists in `out`; a rerun with a bad seed_batch is refused before anything
+  # of it is read for writing: every file keeps its bytes.
+  t = task()
+  out = tmp_path / "s"
+  first = {k: v for k, v in kwargs.items() if k != "seed_batch"}
+  _run(t, out, recipes=("fp32",), **{**first, "steps": 2, "eval_every": 2,
+                                     "save_every": 2})
+  before = _tree_digest(out)
+  with pytest.raises(ValueError, match=match):
+    _run(t, out, recipes=("fp32",), **{**kwargs, "steps": 2, "eval_every": 2,
+                                       "save_every": 2})
+  assert _tree_digest(out) == before
+
+
+def test_unstackable_batches_with_seeds_auto_touch_nothing(tmp_path):
+  # The check covers every seed the budget may reach, before the first round.
+  with pytest.raises(ValueError, match="seeds 0 and 1 cannot be stacked"):
+    _run(_unstackable_task(), tmp_path / "b", seed_batch=2, **AUTO)
+  assert not (tmp_path / "b").exists()
+
+
+def test_cli_seed_batch_above_max_seeds_exits_2_with_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = tmp_path / "cli"
+  p = subprocess.run([sys.executable, "-m", "precision.study",
+                      os.path.join(TASKS, "params_mlp.py:task"), "--seeds", "auto",
+                      "--max-seeds", "6", "--margin", "0.01", "--seed-batch", "7",
+                      "--out", str(out), "--no-progress"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 2, p.stderr[-2000:]
+  lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+  assert lines == ["error: seed_batch=7; accepted: an integer from 1 to max_seeds (6), or "
+                   "None for the library's choice"], p.stderr[-2000:]
+  assert not out.exists()
+
+
+def _step_records(out):
+  cells = os.path.join(str(out), "cells")
+  if not os.path.isdir(cells):
+    return 0
+  return sum(len(_cells.read_jsonl(os.path.join(cells, c, "steps.jsonl")))
+             for c in os.listdir(cells))
+
+
+@pytest.mark.slow  # a few minutes: 11 processes and two in-process studies
+def test_sequential_batched_study_killed_at_random_ends_as_one_seed_cells(tmp_path):
+  # A seeds="auto" study (two rounds: 6 seeds of fp32, bf16_mixed and the floor arm)
+  # with K = 2 is SIGKILLed 10 times at random points (while starting, or after a random
+  # number of new step records: mid-step of a batched group, mid-evaluation or
+  # mid-save), then rerun: its summary.json and every cell's bits are those of the same
+  # study of one-seed cells, run uninterrupted.
+  args = dict(seeds="auto", max_seeds=6, margin=0.0004, steps=12, eval_every=6,
+              save_every=2, timing_rounds=0, progress=False)
+  ref = _run(task(), tmp_path / "ref", seed_batch=1, **args)
+  assert ref.summary["recipes"]["bf16_mixed"]["seeds_used"] == 6   # two rounds
+  out = tmp_path / "killed"
+  script = (
+      "import jax, precision; precision.enable_faithful_rounding()\n"
+      "from precision import study\n"
+      f"t = study.load_task({os.path.join(TASKS, 'params_mlp.py:task')!r})\n"
+      "with jax.numpy_rank_promotion('allow'), jax.numpy_dtype_promotion('standard'):\n"
+      f"  study.run(t, ['fp32', 'bf16_mixed'], out={str(out)!r}, seed_batch=2, "
+      f"**{args!r})\n")
+  # The same 8 forced host devices as this process (conftest's XLA_FLAGS): K = 2 runs one
+  # seed per device, the identity the final in-process run checks.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  rng = random.Random(20261205)
+  for kill in range(10):
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    start = _step_records(out)
+    wanted = rng.choice([0, rng.randint(1, 10), rng.randint(1, 10)])
+    deadline = time.time() + (rng.uniform(0.5, 6.0) if wanted == 0 else 600)
+    while proc.poll() is None and time.time() < deadline and (
+        _step_records(out) - start < max(wanted, 1)):
+      time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.01))
+    assert proc.poll() is None, f"the study ended before kill {kill + 1}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  final = _run(task(), out, seed_batch=2, **args)
+  from precision.study import _report
+  assert (_without_batching(_report.comparable(final.summary))
+          == _without_batching(_report.comparable(ref.summary)))
+  assert _done_fingerprints(out) == _done_fingerprints(tmp_path / "ref")
+  resumed = [(c, r["step"]) for c in os.listdir(out / "cells")
+             for r in _cells.read_jsonl(os.path.join(out, "cells", c, "attempts.jsonl"))
+             if r["event"] == "resume"]
+  assert resumed, "no kill landed after a checkpoint of a batched group"
+  print(f"\nresumed from a checkpoint: {sorted(resumed)}")
+
+
+@pytest.mark.parametrize("fault", ["done.json", "checkpoint"])
+def test_a_fault_of_the_environment_in_a_group_leaves_its_cell_unfinished(tmp_path,
+                                                                          monkeypatch,
+                                                                          fault):
+  # The group's file operations are its cells' bookkeeping (`_cells.CellBook`), each
+  # under `library_io` as a one-seed cell's: a full disk writing fp32__s1's done.json,
+  # or an I/O error saving its checkpoint of step 4, stops the run with one line naming
+  # the cell, the operation and the path; the cell stays unfinished and the same call
+  # then ends with an uninterrupted run's bits.
+  from precision import checkpoint as ckpt_lib
+  from precision.study import _faults
+  t = task()
+  kw = dict(recipes=("fp32",), seed_batch=2)
+  _run(t, tmp_path / "ref", **kw)
+  out = tmp_path / "out"
+  if fault == "done.json":
+    real = _cells.write_atomic
+
+    def write_atomic(path, text):
+      if path.endswith(os.path.join("fp32__s1", "done.json")):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+      return real(path, text)
+    monkeypatch.setattr(_cells, "write_atomic", write_atomic)
+    want = (r"cell fp32__s1: writing done.json failed at .*fp32__s1/done.json: No space "
+            r"left on device \(ENOSPC\)")
+  else:
+    real = ckpt_lib.Checkpointer.save
+
+    def save(self, step, *a, **k):
+      if step == 4 and "fp32__s1" in str(self.directory):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+      return real(self, step, *a, **k)
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
+    want = (r"cell fp32__s1: saving its checkpoint of step 4 failed at .*fp32__s1/ckpt: "
+            r"Input/output error \(EIO\)")
+  with pytest.raises(_faults.StudyEnvironmentError, match=want) as e:
+    _run(t, out, **kw)
+  assert "\n" not in str(e.value)
+  assert _cells.read_done(str(out), study.make_config(["fp32"], 2, 6).grid()[1]) is None
+  monkeypatch.undo()
+  _run(t, out, **kw)
+  assert _done_fingerprints(out) == _done_fingerprints(tmp_path / "ref")

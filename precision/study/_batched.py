@@ -27,11 +27,13 @@ another program (bit-equal to one-seed cells on the MLP tasks, not on the Linen 
 K, the device count and `how` are therefore part of the study's identity
 (`identity_entry`) whenever K > 1.
 
-Cells keep the layout and files of one-seed cells (`_cells`): per-cell checkpoints,
-steps.jsonl, telemetry.jsonl, attempts.jsonl, done.json; a killed group resumes each
-cell from its own newest checkpoint (cells ahead wait, masked, for the others), so it
-ends bit-exactly as an uninterrupted group of the same K and devices. ``step_time_s``
-of a batched cell is the batched step's wall time divided by the seeds it advanced.
+Cells keep the layout and files of one-seed cells, kept by the same bookkeeping
+(`_cells.CellBook`, every file operation under `_faults.library_io`): per-cell
+checkpoints, steps.jsonl, telemetry.jsonl, attempts.jsonl, done.json; a killed group
+resumes each cell from its own newest checkpoint (cells ahead wait, masked, for the
+others), so it ends bit-exactly as an uninterrupted group of the same K and devices.
+``step_time_s`` of a batched cell is the batched step's wall time divided by the seeds
+it advanced.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import traceback
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -47,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from precision import checkpoint as ckpt_lib
 from precision.study import _cells
 from precision.study import _faults
 from precision.study import _models
@@ -101,16 +101,17 @@ def _devices_for(k: int, n_devices: int) -> int:
   return max(d for d in range(1, min(k, max(1, n_devices)) + 1) if k % d == 0)
 
 
-def check_seed_batch(value: Any, budget: int, n_devices: int) -> SeedBatch:
+def check_seed_batch(value: Any, budget: int, n_devices: int,
+                     budget_name: str = "the seeds per recipe") -> SeedBatch:
   """`value` (an int K, or None for the default) as a SeedBatch; ValueError naming it
-  unless 1 <= K <= `budget` (the seeds per recipe). The devices are the most local
-  devices that divide K."""
+  unless 1 <= K <= `budget` (the seeds per recipe, or a sequential study's max_seeds:
+  `budget_name` says which). The devices are the most local devices that divide K."""
   if value is None:
     return default_seed_batch(budget, n_devices)
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
       1 <= int(value) <= budget):
-    raise ValueError(f"seed_batch={value!r}; accepted: an integer from 1 to the seeds per "
-                     f"recipe ({budget}), or None for the library's choice")
+    raise ValueError(f"seed_batch={value!r}; accepted: an integer from 1 to {budget_name} "
+                     f"({budget}), or None for the library's choice")
   return SeedBatch(int(value), _devices_for(int(value), n_devices),
                    default_how(jax.default_backend()))
 
@@ -139,7 +140,8 @@ def identity_items(sb: SeedBatch) -> dict:
   return {} if entry is None else {"seed_batch": entry}
 
 
-def resolve(value: Any, out: str, budget: int, n_devices: int) -> SeedBatch:
+def resolve(value: Any, out: str, budget: int, n_devices: int,
+            budget_name: str = "the seeds per recipe") -> SeedBatch:
   """The SeedBatch a run uses: `value` checked (`check_seed_batch`); None: the one the
   identity of the study in `out` records (one program per cell where it records none),
   so a rerun or a grown study continues as it began, and `default_seed_batch` for a
@@ -151,7 +153,7 @@ def resolve(value: Any, out: str, budget: int, n_devices: int) -> SeedBatch:
     except (FileNotFoundError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
             ValueError):
       pass
-  return check_seed_batch(value, budget, n_devices)
+  return check_seed_batch(value, budget, n_devices, budget_name)
 
 
 def groups(cells: Sequence[Cell], k: int) -> list[list[Cell]]:
@@ -236,13 +238,13 @@ def batched_step(core: Callable[..., Any], mesh: Mesh | None = None,
 
 
 class _Slot:
-  """One seed of a group while it trains: its cell, program, files and position."""
+  """One seed of a group while it trains: its cell's bookkeeping (`_cells.CellBook`),
+  program, batch stream and position."""
 
-  def __init__(self, cell: Cell, prog: _models.Program | None, folder: str):
-    self.cell, self.prog, self.folder = cell, prog, folder
-    self.ckpt = None
-    self.log = None
-    self.records: list[dict] = []
+  def __init__(self, book: _cells.CellBook):
+    self.book = book
+    self.cell = book.cell
+    self.prog: _models.Program | None = None
     self.batches = None
     self.batch = None        # the batch of its next step (fetched, not yet trained)
     self.pos = 0             # steps done
@@ -252,33 +254,42 @@ class _Slot:
 
 
 def run_group(task: Task, cells: Sequence[Cell], settings: CellSettings, out: str,
-              sb: SeedBatch, on_step: Callable[[int], None] | None = None) -> list[dict]:
+              sb: SeedBatch, on_step: Callable[[int], None] | None = None,
+              retry_failed: bool = False) -> list[dict]:
   """Runs (or continues) the unfinished cells of `cells` (one arm, at most K) as one
   seed-batched program and writes each one's done.json; returns their records.
+
+  With `retry_failed`, a cell recorded as "failed" runs again from its last checkpoint
+  (its record and traceback kept as done.failed.json and error.failed.txt, as
+  `_cells.run_cell` does): groups are padded to K, so the seed trains in a group of its
+  own exactly as it would have beside the others.
 
   An error of the whole group (the recipe fails to build or compile) finishes each of
   its unfinished cells as "failed" with that error, as one-seed cells would be; an error
   of one seed (its batch stream ends, its evaluation raises) finishes that cell alone.
   KeyboardInterrupt and SystemExit propagate (every cell resumes next time); so does a
   fault of the environment (`_faults.is_environment`: a full disk, an I/O error, memory
-  exhausted), as a one-line StudyEnvironmentError that leaves the cells unfinished, and a
-  stop request (SIGTERM or the warning signal, `_signals`): each open cell saves at its
-  step and `Stopped` is raised.
+  exhausted; every file operation of a cell runs in its `_cells.CellBook`), as a one-line
+  StudyEnvironmentError that leaves the cells unfinished, and a stop request (SIGTERM or
+  the warning signal, `_signals`): each open cell saves at its step and `Stopped` is
+  raised.
   """
-  todo = [c for c in cells if _cells.read_done(out, c) is None]
+  todo = [c for c in cells if _cells.to_run(out, c, retry_failed)]
   slots: list[_Slot] = []
   try:
     for c in todo:
-      folder = _cells.cell_dir(out, c)
-      os.makedirs(folder, exist_ok=True)
-      slot = _Slot(c, None, folder)
+      book = _cells.CellBook(out, c)
+      if _cells.read_done(out, c) is not None:
+        book.set_aside_failed()   # a retry (`to_run` chose it)
+      book.make_folder()
+      slot = _Slot(book)
+      slots.append(slot)
       try:
         slot.prog = _models.build(task, c.recipe, c.seed, settings.fp8_keeps,
                                   dict(settings.overrides))
-        slots.append(slot)
         _open(task, slot, settings)
       except Exception as e:  # pylint: disable=broad-except
-        # One seed's error (its init, its checkpoint, its batch stream) is its cell's.
+        # One seed's error (its init, its batch stream) is its cell's.
         _finish_slot_failed(slot, e)
     live = [s for s in slots if not s.finished]
     if live:
@@ -289,26 +300,13 @@ def run_group(task: Task, cells: Sequence[Cell], settings: CellSettings, out: st
         for s in live:
           if not s.finished:
             _finish_slot_failed(s, e)
-  finally:
+  except BaseException:
     for s in slots:
-      if s.log is not None:
-        s.log.close()
-      if s.ckpt is not None:
-        s.ckpt.close()
+      s.book.close_after_failure()
+    raise
+  for s in slots:
+    s.book.close()
   return [_cells.read_done(out, c) for c in todo]
-
-
-def _failed_record(cell: Cell, e: BaseException) -> dict:
-  msg = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-  return {"arm": cell.arm, "recipe": cell.recipe.name, "index": cell.index,
-          "seed": cell.seed, "status": "failed", "error": msg}
-
-
-def _finish_failed(folder: str, cell: Cell, e: BaseException) -> None:
-  with open(os.path.join(folder, "error.txt"), "w") as f:
-    f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
-  _cells.write_atomic(os.path.join(folder, "done.json"),
-                      json.dumps(_failed_record(cell, e), indent=1))
 
 
 def _next_batch(slot: _Slot, step: int):
@@ -322,21 +320,10 @@ def _next_batch(slot: _Slot, step: int):
 def _open(task: Task, slot: _Slot, settings: CellSettings) -> None:
   """Restores the slot's cell from its newest checkpoint (or starts it), cuts its
   records back to that step and replays its batch stream there, as `_cells` does."""
-  folder = slot.folder
-  slot.ckpt = ckpt_lib.Checkpointer(os.path.join(folder, "ckpt"), keep=2)
-  state, start = slot.prog.state, 0
-  if slot.ckpt.steps():
-    restored = slot.ckpt.restore(slot.prog.state, recipe=slot.prog.recipe)
-    state, start = restored.state, restored.step
-  steps_path = os.path.join(folder, "steps.jsonl")
-  _cells._truncate(steps_path, start if start else -1)  # pylint: disable=protected-access
-  if settings.telemetry_every:
-    _cells._truncate(os.path.join(folder, "telemetry.jsonl"), start - 1)  # pylint: disable=protected-access
-  _cells._attempt(folder, "resume" if start else "start", start)  # pylint: disable=protected-access
+  state, start = slot.book.restore(slot.prog)
+  slot.book.open_logs(start, settings.telemetry_every)
   slot.batches = batch_stream(task, slot.cell.seed, skip=start)
   slot.batch = _next_batch(slot, start)
-  slot.records = _cells.read_jsonl(steps_path)
-  slot.log = open(steps_path, "a")
   slot.pos = start
   slot.state0 = state
 
@@ -380,11 +367,11 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
   for i, s in enumerate(slots):
     if s.pos == 0 and settings.eval_every:
       try:
-        s.records.append({"step": 0, "eval": evaluate(_slot(state, i))})
+        rec = {"step": 0, "eval": evaluate(_slot(state, i))}
       except Exception as e:  # pylint: disable=broad-except
         _finish_slot_failed(s, e)
         continue
-      s.log.write(json.dumps(s.records[-1]) + "\n")
+      s.book.record(rec)
   for t in range(start, settings.steps):
     live = [i for i, s in enumerate(slots) if not s.finished and s.pos == t]
     if not any(not s.finished for s in slots):
@@ -410,9 +397,8 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
     live = [i for i in live if not slots[i].finished]
     if settings.telemetry_every and t % settings.telemetry_every == 0:
       for i in live:
-        with open(os.path.join(slots[i].folder, "telemetry.jsonl"), "a") as tf:
-          tf.write(_cells._telemetry_line(  # pylint: disable=protected-access
-              slots[i].prog, _slot(state, i), slots[i].batch, t, settings.telemetry_whatif))
+        slots[i].book.telemetry(_cells.telemetry_line(
+            slots[i].prog, _slot(state, i), slots[i].batch, t, settings.telemetry_whatif))
     filler = slots[live[0]].batch
     stacked = _stack([slots[i].batch if i in live else (
         slots[i].batch if i < n and slots[i].batch is not None
@@ -426,18 +412,15 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
     t0 = time.perf_counter()
     state, metrics = compiled(state, *args)
     metrics = {f: np.asarray(jax.device_get(metrics[f]))
-               for f in _cells._STEP_FIELDS + ("consecutive_nonfinite",)}  # pylint: disable=protected-access
+               for f in _cells.STEP_FIELDS + ("consecutive_nonfinite",)}
     dt = (time.perf_counter() - t0) / len(live)
     done = t + 1
     for i in live:
       s = slots[i]
       s.batch, s.pos = None, done
       m = {f: _host(v[i]) for f, v in metrics.items()}
-      rec = {"step": done, **{f: m[f] for f in _cells._STEP_FIELDS},  # pylint: disable=protected-access
-             "step_time_s": dt}
-      if m["consecutive_nonfinite"] >= settings.max_nonfinite:
-        s.stopped = (f"{m['consecutive_nonfinite']} consecutive steps with non-finite "
-                     f"gradients at step {done} (max_nonfinite={settings.max_nonfinite})")
+      rec = _cells.step_record(done, m, dt)
+      s.stopped = _cells.stop_reason(m, done, settings.max_nonfinite)
       try:
         if s.stopped or done == settings.steps or (
             settings.eval_every and done % settings.eval_every == 0):
@@ -445,27 +428,19 @@ def _train(slots: list[_Slot], settings: CellSettings, sb: SeedBatch,
       except Exception as e:  # pylint: disable=broad-except
         _finish_slot_failed(s, e)
         continue
-      s.records.append(rec)
-      s.log.write(json.dumps(rec) + "\n")
-      s.log.flush()
+      s.book.record(rec)
       if on_step is not None:
         on_step(1)
       if s.stopped or done == settings.steps:
         _finish_slot(s, _slot(state, i), memory)
       elif done % settings.save_every == 0:
-        with _faults.library_io(s.cell.name, f"saving its checkpoint of step {done}",
-                                s.folder):
-          s.ckpt.save(done, _slot(state, i), recipe=s.prog.recipe, seed=s.cell.seed,
-                      extra={"arm": s.cell.arm, "index": s.cell.index})
+        s.book.save(done, _slot(state, i), s.prog)
     stop = _signals.requested()  # SIGTERM / the warning signal: save every open cell
     if stop is not None:
       open_slots = [(i, s) for i, s in enumerate(slots) if not s.finished]
       for i, s in open_slots:
         if s.pos > 0 and s.pos % settings.save_every != 0:
-          with _faults.library_io(s.cell.name, f"saving its checkpoint of step {s.pos}",
-                                  s.folder):
-            s.ckpt.save(s.pos, _slot(state, i), recipe=s.prog.recipe, seed=s.cell.seed,
-                        extra={"arm": s.cell.arm, "index": s.cell.index})
+          s.book.save(s.pos, _slot(state, i), s.prog)
       if open_slots:
         raise _signals.Stopped(stop, cell=",".join(s.cell.name for _, s in open_slots),
                                step=min(s.pos for _, s in open_slots))
@@ -477,8 +452,7 @@ def _host(v) -> float | int:
 
 
 def _finish_slot(s: _Slot, state, memory: dict) -> None:
-  record = _cells._summary(s.cell, s.prog, s.records, state, memory, s.stopped)  # pylint: disable=protected-access
-  _cells.write_atomic(os.path.join(s.folder, "done.json"), json.dumps(record, indent=1))
+  s.book.done(s.book.summary(s.prog, state, memory, s.stopped))
   s.finished = True
 
 
@@ -488,6 +462,7 @@ def _finish_slot_failed(s: _Slot, e: BaseException) -> None:
   if _faults.is_environment(e):
     if isinstance(e, _faults.StudyEnvironmentError):
       raise e
-    raise _faults.fault(s.cell.name, "training its seed-batched group", s.folder, e) from e
-  _finish_failed(s.folder, s.cell, e)
+    raise _faults.fault(s.cell.name, "training its seed-batched group", s.book.folder,
+                        e) from e
+  s.book.done(s.book.failed(e))
   s.finished = True

@@ -49,7 +49,7 @@ from precision.study._task import Task, batch_stream
 from precision.numerics import _telemetry
 
 STATUSES = ("ok", "diverged", "failed")
-_STEP_FIELDS = ("loss", "grad_norm", "loss_scale", "skipped_steps", "nonfinite_steps",
+STEP_FIELDS = ("loss", "grad_norm", "loss_scale", "skipped_steps", "nonfinite_steps",
                 "fp8_saturated")
 
 
@@ -189,6 +189,137 @@ def _truncate(path: str, last_step: int) -> None:
   write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+class CellBook:
+  """The bookkeeping of one cell while it trains, shared by one-seed cells (`run_cell`)
+  and seed-batched groups (`precision.study._batched`): its folder, checkpoint,
+  records (steps.jsonl), attempts, telemetry lines and outcome (done.json, error.txt).
+
+  Every file operation runs under `library_io`, one operation per call: its failure is
+  the environment's (a `StudyEnvironmentError` naming the cell, what it was doing and
+  the path), never the model's result. The training itself (the task's and the recipe's
+  code) is the caller's.
+  """
+
+  def __init__(self, out: str, cell: Cell):
+    self.cell = cell
+    self.folder = cell_dir(out, cell)
+    self.steps_path = os.path.join(self.folder, "steps.jsonl")
+    self.tele_path = os.path.join(self.folder, "telemetry.jsonl")
+    self.ckpt_dir = os.path.join(self.folder, "ckpt")
+    self.records: list[dict] = []
+    self.ckpt: ckpt_lib.Checkpointer | None = None
+    self._log = None
+
+  def io(self, what: str, path: str | None):
+    return library_io(self.cell.name, what, path)
+
+  def set_aside_failed(self) -> None:
+    """Before a retry of a "failed" cell: done.json and error.txt kept as
+    done.failed.json and error.failed.txt."""
+    path = os.path.join(self.folder, "done.json")
+    with self.io("setting done.json aside to retry the cell", path):
+      error = os.path.join(self.folder, "error.txt")
+      if os.path.exists(error):
+        os.replace(error, os.path.join(self.folder, "error.failed.txt"))
+      os.replace(path, os.path.join(self.folder, "done.failed.json"))
+
+  def make_folder(self) -> None:
+    with self.io("creating the cell's folder", self.folder):
+      os.makedirs(self.folder, exist_ok=True)
+
+  def restore(self, prog: _models.Program) -> tuple[Any, int]:
+    """(state, step) of the cell's newest intact checkpoint, (prog.state, 0) without one."""
+    with self.io("restoring its checkpoint", self.ckpt_dir):
+      self.ckpt = ckpt_lib.Checkpointer(self.ckpt_dir, keep=2)
+      if self.ckpt.steps():
+        restored = self.ckpt.restore(prog.state, recipe=prog.recipe)
+        return restored.state, restored.step
+    return prog.state, 0
+
+  def open_logs(self, start: int, telemetry_every: int) -> None:
+    """Cuts the logs back to step `start` (the records after it are redone; a fresh
+    start redoes them all), records the attempt, and opens steps.jsonl for appending."""
+    with self.io("cutting its logs back to the checkpoint", self.folder):
+      _truncate(self.steps_path, start if start else -1)
+      if telemetry_every:
+        # A record of step s is taken before step s + 1 runs: from `start` on, redone.
+        _truncate(self.tele_path, start - 1)
+      _attempt(self.folder, "resume" if start else "start", start)
+    with self.io("opening steps.jsonl", self.steps_path):
+      self.records = read_jsonl(self.steps_path)
+      self._log = open(self.steps_path, "a")
+
+  def record(self, rec: dict) -> None:
+    """Appends one step's (or evaluation's) record to steps.jsonl."""
+    self.records.append(rec)
+    with self.io("writing steps.jsonl", self.steps_path):
+      self._log.write(json.dumps(rec) + "\n")
+      self._log.flush()
+
+  def telemetry(self, line: str) -> None:
+    with self.io("writing telemetry.jsonl", self.tele_path), open(self.tele_path, "a") as f:
+      f.write(line)
+
+  def save(self, step: int, state: Any, prog: _models.Program) -> None:
+    with self.io(f"saving its checkpoint of step {step}", self.ckpt_dir):
+      self.ckpt.save(step, state, recipe=prog.recipe, seed=self.cell.seed,
+                     extra={"arm": self.cell.arm, "index": self.cell.index})
+
+  def close(self) -> None:
+    """Closes steps.jsonl and releases the checkpoint (after the cell's last step)."""
+    if self._log is not None:
+      with self.io("closing steps.jsonl", self.steps_path):
+        self._log.close()
+      self._log = None
+    if self.ckpt is not None:
+      with self.io("releasing its checkpoint lock", self.ckpt_dir):
+        self.ckpt.close()
+      self.ckpt = None
+
+  def close_after_failure(self) -> None:
+    """Closes while an exception propagates: that first failure is the one reported."""
+    for close in ((self._log.close if self._log is not None else None),
+                  (self.ckpt.close if self.ckpt is not None else None)):
+      if close is not None:
+        _close_after_failure(close)
+    self._log = self.ckpt = None
+
+  def summary(self, prog: _models.Program, state: Any, memory: dict,
+              stopped: str | None) -> dict:
+    """The finished cell's record (done.json's content) from its records and state."""
+    return _summary(self.cell, prog, self.records, state, memory, stopped)
+
+  def failed(self, e: BaseException, tb: str | None = None) -> dict:
+    """Writes error.txt (`tb`, else `e`'s traceback); returns the "failed" record."""
+    path = os.path.join(self.folder, "error.txt")
+    if tb is None:
+      tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    with self.io("writing error.txt", path):
+      write_atomic(path, tb)
+    msg = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+    return {"arm": self.cell.arm, "recipe": self.cell.recipe.name, "index": self.cell.index,
+            "seed": self.cell.seed, "status": "failed", "error": msg}
+
+  def done(self, record: dict) -> None:
+    """Writes done.json (atomically, last): the cell is finished."""
+    path = os.path.join(self.folder, "done.json")
+    with self.io("writing done.json", path):
+      write_atomic(path, json.dumps(record, indent=1))
+
+
+def step_record(step: int, metrics: dict, step_time_s: float) -> dict:
+  """A step's steps.jsonl record from its host metrics (STEP_FIELDS)."""
+  return {"step": step, **{k: metrics[k] for k in STEP_FIELDS}, "step_time_s": step_time_s}
+
+
+def stop_reason(metrics: dict, step: int, max_nonfinite: int) -> str | None:
+  """Why a cell stops as diverged after `step` (None: it goes on)."""
+  if metrics["consecutive_nonfinite"] >= max_nonfinite:
+    return (f"{metrics['consecutive_nonfinite']} consecutive steps with non-finite "
+            f"gradients at step {step} (max_nonfinite={max_nonfinite})")
+  return None
+
+
 def run_cell(task: Task, cell: Cell, settings: CellSettings, out: str,
              on_step: Callable[[int], None] | None = None,
              retry_failed: bool = False) -> dict:
@@ -201,36 +332,23 @@ def run_cell(task: Task, cell: Cell, settings: CellSettings, out: str,
   the study's own file I/O failing, memory exhausted) propagate: the cell stays
   unfinished and resumes next time.
   """
-  folder = cell_dir(out, cell)
+  book = CellBook(out, cell)
   done = read_done(out, cell)
   if done is not None:
     if not (retry_failed and done.get("status") == "failed"):
       return done
-    path = os.path.join(folder, "done.json")
-    with library_io(cell.name, "setting done.json aside to retry the cell", path):
-      error = os.path.join(folder, "error.txt")
-      if os.path.exists(error):
-        os.replace(error, os.path.join(folder, "error.failed.txt"))
-      os.replace(path, os.path.join(folder, "done.failed.json"))
-  with library_io(cell.name, "creating the cell's folder", folder):
-    os.makedirs(folder, exist_ok=True)
+    book.set_aside_failed()
+  book.make_folder()
   try:
-    record = _train(task, cell, settings, folder, on_step)
+    record = _train(task, book, settings, on_step)
   except _faults.StudyEnvironmentError:
     raise
   except Exception as e:  # pylint: disable=broad-except
     if _faults.is_environment(e):
       raise _faults.fault(cell.name, "training", None, e) from e
     # A failing recipe is a result of the study, not its end.
-    msg = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-    path = os.path.join(folder, "error.txt")
-    with library_io(cell.name, "writing error.txt", path):
-      write_atomic(path, traceback.format_exc())
-    record = {"arm": cell.arm, "recipe": cell.recipe.name, "index": cell.index,
-              "seed": cell.seed, "status": "failed", "error": msg}
-  path = os.path.join(folder, "done.json")
-  with library_io(cell.name, "writing done.json", path):
-    write_atomic(path, json.dumps(record, indent=1))
+    record = book.failed(e, traceback.format_exc())
+  book.done(record)
   return record
 
 
@@ -240,89 +358,54 @@ def _attempt(folder: str, event: str, step: int) -> None:
                         "time": time.time()}) + "\n")
 
 
-def _train(task: Task, cell: Cell, settings: CellSettings, folder: str,
+def _train(task: Task, book: CellBook, settings: CellSettings,
            on_step: Callable[[int], None] | None) -> dict:
-  # The study's own file operations run under `io` (their failure stops the study, see
+  # The study's own file operations run in `book` (their failure stops the study, see
   # `_faults`); everything else here is the task's code and the recipe's.
-  io = lambda what, path: library_io(cell.name, what, path)
+  cell = book.cell
   prog = _models.build(task, cell.recipe, cell.seed, settings.fp8_keeps,
                        dict(settings.overrides))
-  steps_path = os.path.join(folder, "steps.jsonl")
-  ckpt_dir = os.path.join(folder, "ckpt")
-  ckpt = ckpt_lib.Checkpointer(ckpt_dir, keep=2)
   try:
-    state, start = prog.state, 0
-    with io("restoring its checkpoint", ckpt_dir):
-      if ckpt.steps():
-        restored = ckpt.restore(prog.state, recipe=prog.recipe)
-        state, start = restored.state, restored.step
-    tele_path = os.path.join(folder, "telemetry.jsonl")
-    with io("cutting its logs back to the checkpoint", folder):
-      # Records after the restored step are redone; a fresh start redoes them all.
-      _truncate(steps_path, start if start else -1)
-      if settings.telemetry_every:
-        # A record of step s is taken before step s + 1 runs: from `start` on, redone.
-        _truncate(tele_path, start - 1)
-      _attempt(folder, "resume" if start else "start", start)
+    state, start = book.restore(prog)
+    book.open_logs(start, settings.telemetry_every)
     batches = batch_stream(task, cell.seed, skip=start)
     first = _next_batch(batches, task, cell, start)
     compiled = prog.step.lower(state, first, jnp.int32(start)).compile()
     memory = compiled_memory(compiled)
-    with io("opening steps.jsonl", steps_path):
-      records = read_jsonl(steps_path)
-      log = open(steps_path, "a")
-    try:
-      if start == 0 and settings.eval_every:
-        records.append({"step": 0, "eval": prog.evaluate(state)})
-        with io("writing steps.jsonl", steps_path):
-          log.write(json.dumps(records[-1]) + "\n")
-      batch, stopped = first, None
-      for step in range(start, settings.steps):
-        if batch is None:
-          batch = _next_batch(batches, task, cell, step)
-        if settings.telemetry_every and step % settings.telemetry_every == 0:
-          line = _telemetry_line(prog, state, batch, step, settings.telemetry_whatif)
-          with io("writing telemetry.jsonl", tele_path), open(tele_path, "a") as tf:
-            tf.write(line)
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch, jnp.int32(step))
-        metrics = {k: _host(metrics[k]) for k in _STEP_FIELDS + ("consecutive_nonfinite",)}
-        dt = time.perf_counter() - t0
-        batch = None
-        done = step + 1
-        rec = {"step": done, **{k: metrics[k] for k in _STEP_FIELDS}, "step_time_s": dt}
-        if metrics["consecutive_nonfinite"] >= settings.max_nonfinite:
-          stopped = (f"{metrics['consecutive_nonfinite']} consecutive steps with non-finite "
-                     f"gradients at step {done} (max_nonfinite={settings.max_nonfinite})")
-        if stopped or done == settings.steps or (
-            settings.eval_every and done % settings.eval_every == 0):
-          rec["eval"] = prog.evaluate(state)
-        records.append(rec)
-        with io("writing steps.jsonl", steps_path):
-          log.write(json.dumps(rec) + "\n")
-          log.flush()
-        if on_step is not None:
-          on_step(1)
-        if stopped:
-          break
-        stop = _signals.requested() if done < settings.steps else None  # SIGTERM/USR1
-        if done < settings.steps and (done % settings.save_every == 0 or stop):
-          with io(f"saving its checkpoint of step {done}", ckpt_dir):
-            ckpt.save(done, state, recipe=prog.recipe, seed=cell.seed,
-                      extra={"arm": cell.arm, "index": cell.index})
-        if stop:
-          raise _signals.Stopped(stop, cell=cell.name, step=done)
-    except BaseException:
-      _close_after_failure(log.close)
-      raise
-    with io("closing steps.jsonl", steps_path):
-      log.close()
+    if start == 0 and settings.eval_every:
+      book.record({"step": 0, "eval": prog.evaluate(state)})
+    batch, stopped = first, None
+    for step in range(start, settings.steps):
+      if batch is None:
+        batch = _next_batch(batches, task, cell, step)
+      if settings.telemetry_every and step % settings.telemetry_every == 0:
+        book.telemetry(telemetry_line(prog, state, batch, step, settings.telemetry_whatif))
+      t0 = time.perf_counter()
+      state, metrics = compiled(state, batch, jnp.int32(step))
+      metrics = {k: _host(metrics[k]) for k in STEP_FIELDS + ("consecutive_nonfinite",)}
+      dt = time.perf_counter() - t0
+      batch = None
+      done = step + 1
+      rec = step_record(done, metrics, dt)
+      stopped = stop_reason(metrics, done, settings.max_nonfinite)
+      if stopped or done == settings.steps or (
+          settings.eval_every and done % settings.eval_every == 0):
+        rec["eval"] = prog.evaluate(state)
+      book.record(rec)
+      if on_step is not None:
+        on_step(1)
+      if stopped:
+        break
+      stop = _signals.requested() if done < settings.steps else None  # SIGTERM/USR1
+      if done < settings.steps and (done % settings.save_every == 0 or stop):
+        book.save(done, state, prog)
+      if stop:
+        raise _signals.Stopped(stop, cell=cell.name, step=done)
   except BaseException:
-    _close_after_failure(ckpt.close)
+    book.close_after_failure()
     raise
-  with io("releasing its checkpoint lock", ckpt_dir):
-    ckpt.close()
-  return _summary(cell, prog, records, state, memory, stopped)
+  book.close()
+  return book.summary(prog, state, memory, stopped)
 
 
 def _close_after_failure(close: Callable[[], None]) -> None:
@@ -338,7 +421,7 @@ def read_telemetry(out: str, cell: Cell) -> list[dict]:
   return read_jsonl(os.path.join(cell_dir(out, cell), "telemetry.jsonl"))
 
 
-def _telemetry_line(prog: _models.Program, state, batch, step: int, whatif: bool) -> str:
+def telemetry_line(prog: _models.Program, state, batch, step: int, whatif: bool) -> str:
   """One telemetry.jsonl line: the numerics of the step taken from `state` (which the
   telemetry program does not change: the trajectory is the step's alone)."""
   record = prog.telemetry(state, batch, jnp.int32(step), whatif)

@@ -230,8 +230,9 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       (K = min(seeds, local devices, 8); 1 on a one-device machine) and on CPU 1. For
       K > 1 a seed's numbers depend on K and the device count (batched GEMMs sum in
       another order; each group is padded to K so they depend on nothing else), so both
-      are part of the study's identity. K > 1 does not combine with seeds="auto" nor
-      with `retry_failed` (their cells run one program per cell).
+      are part of the study's identity. With seeds="auto" each round's new seeds of an
+      arm run in groups of up to K (1 to `max_seeds`); with `retry_failed` a failed cell
+      is retried in a group of its own (padded to K: the same numbers).
 
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
@@ -270,15 +271,15 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     raise ValueError(f"retry_failed={retry_failed!r}; accepted: True or False")
   pre = _Preflight(task, cfg)
   # Seed batching (`_batched`): checked, and the batches stackable, before anything is saved.
-  sb = _batched.resolve(seed_batch, out, cfg.seeds, jax.local_device_count())
-  if sb.k > 1 and cfg.sequential is not None:
-    raise ValueError(f"seed_batch={sb.k} with seeds='auto'; accepted: seed_batch=1 (the "
-                     "rounds of a sequential study run one program per cell)")
-  if sb.k > 1 and retry_failed:
-    raise ValueError(f"seed_batch={sb.k} with retry_failed=True; accepted: one of them (a "
-                     "failed cell retried alone would not give its group's numbers)")
+  # The budget of seeds per recipe: a sequential study's max_seeds (its rounds may reach
+  # it), else the seeds.
+  budget = cfg.sequential.max_seeds if cfg.sequential is not None else cfg.seeds
+  sb = _batched.resolve(seed_batch, out, budget, jax.local_device_count(),
+                       "max_seeds" if cfg.sequential is not None else "the seeds per recipe")
   if sb.k > 1:
-    _batched.check_stackable(task, sorted({c.seed for c in cfg.grid()[k - 1::n]}))
+    whole = (dataclasses.replace(cfg, seeds=budget).grid() if cfg.sequential is not None
+             else cfg.grid()[k - 1::n])
+    _batched.check_stackable(task, sorted({c.seed for c in whole}))
   settings = _cells.CellSettings(cfg.steps, cfg.eval_every, cfg.save_every,
                                  cfg.max_nonfinite, pre.fp8_keeps, cfg.overrides,
                                  telemetry, telemetry_whatif)
@@ -288,7 +289,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       **({"floor_nudge": _floor.describe(task)} if cfg.floor else {})})
   with _Compile_cache(out), stops:
     if cfg.sequential is not None:
-      cfg = _sequential_rounds(task, cfg, settings, out, progress, retry_failed)
+      cfg = _sequential_rounds(task, cfg, settings, out, progress, retry_failed, sb)
     mine = cfg.grid()[k - 1::n]
     # An auto study's rounds retried its failed cells already (once).
     retry = retry_failed and cfg.sequential is None
@@ -307,7 +308,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
                         on_step=bar.update if bar else None, retry_failed=retry)
       else:
         _batched.run_group(cell_task, group, settings, out, sb,
-                           on_step=bar.update if bar else None)
+                           on_step=bar.update if bar else None, retry_failed=retry)
     if bar is not None:
       bar.close()
     if any(_cells.read_done(out, c) is None for c in cfg.grid()):
@@ -352,14 +353,20 @@ def _next_round(out: str, cfg: StudyConfig, p: _sequential.Plan) -> StudyConfig:
 
 
 def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettings,
-                       out: str, progress: bool, retry_failed: bool = False) -> StudyConfig:
+                       out: str, progress: bool, retry_failed: bool = False,
+                       sb: _batched.SeedBatch | None = None) -> StudyConfig:
   """Runs rounds of a seeds="auto" study until no recipe takes another seed; returns the
   final config. Every round is recomputed from the finished cells, so a killed study
   rerun walks the same rounds (through the finished ones without training) and continues
   where it stopped; study.json's "sequential_state" records the last for `report_only`.
   Ends at the fixed point: the next round is this one and all its cells are finished
   (seeds only grow, up to the budget, so it is reached). With `retry_failed` a cell an
-  earlier run finished as failed is run again, once in this call."""
+  earlier run finished as failed is run again, once in this call.
+
+  With `sb` (K > 1) a round's new cells of each arm run as seed-batched groups of up to
+  K (`_batched.run_group`). A group is padded to K, so a seed's numbers do not depend on
+  which seeds share its round or its group: a study killed anywhere, inside a group
+  too, and rerun regroups the unfinished cells and ends with the same cells."""
   p = _config.sequential_plan(cfg)
   path = os.path.join(out, _STUDY_FILE)
   ran: set[str] = set()
@@ -377,13 +384,20 @@ def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettin
     if not todo:
       continue  # a round finished before (a rerun): on to the next look
     bar = _bar(len(todo) * cfg.steps, 0, f"study: round to {cfg.seeds} seeds", progress)
-    for cell in todo:
+    batched = sb is not None and sb.k > 1
+    for group in _batched.groups(todo, sb.k) if batched else [[c] for c in todo]:
       _signals.check()  # a stop between cells: nothing is open
       if bar is not None:
-        bar.set_postfix_str(cell.name)
-      ran.add(cell.name)
-      _cells.run_cell(_task_of(task, cfg, cell), cell, settings, out,
-                      on_step=bar.update if bar else None, retry_failed=retry_failed)
+        bar.set_postfix_str(group[0].name if len(group) == 1
+                            else f"{group[0].name}..s{group[-1].index}")
+      ran.update(c.name for c in group)
+      cell_task = _task_of(task, cfg, group[0])  # one arm per group
+      if batched:
+        _batched.run_group(cell_task, group, settings, out, sb,
+                           on_step=bar.update if bar else None, retry_failed=retry_failed)
+      else:
+        _cells.run_cell(cell_task, group[0], settings, out,
+                        on_step=bar.update if bar else None, retry_failed=retry_failed)
     if bar is not None:
       bar.close()
 
