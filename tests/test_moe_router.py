@@ -140,3 +140,19 @@ def test_zoo_mixtral_router_is_f32_under_autocast():
   experts, router = _split(prog, "ragged_dot_general")
   assert router == {("fwd", ("f32", "f32", "f32")), ("bwd", ("f32", "f32", "f32"))}, router
   assert experts == {("fwd", ("bf16", "bf16", "f32")), ("bwd", ("bf16", "bf16", "f32"))}, experts
+
+
+def test_zoo_mixtral_decoder_under_apply_recipe_keeps_its_routers_in_f32():
+  """The zoo's Mixtral-style decoder, the recipe applied with precision.flax.apply_recipe
+  and "router" among its fp32_ops: the two layers' routers f32 forward and backward, every
+  other GEMM (attention, projections, experts, head) bf16 x bf16 -> f32."""
+  r = mp.get_recipe("bf16_mixed").replace(fp32_ops=ROUTER_OPS)
+  assert mp.Recipe.from_dict(r.to_dict()) == r
+  b = _zoo.mixtral_style(r)
+  with b.context():
+    prog = lower(jax.value_and_grad(b.loss, has_aux=True), b.params, platform="cuda")
+  router = [g for g in prog.gemms if "/router/" in g.name]
+  assert {g.signature() for g in router} == {("f32", "f32", "f32")}, router
+  assert sum(g.direction == "fwd" for g in router) == 2, router
+  rest = {g.signature() for g in prog.gemms if "/router/" not in g.name}
+  assert rest == {("bf16", "bf16", "f32")}, rest
