@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
+# The pseudo-primitive of the "router" op: the router GEMM (no JAX primitive has the name).
+ROUTER_GEMM = "router_gemm"
+
 # Statistics of a norm: squares, their (mean) sum, the division by the count, rsqrt/sqrt.
 _NORM = ("integer_pow", "square", "reduce_sum", "div", "rsqrt", "sqrt", "reduce_window_sum")
 # Softmax-like reductions: max for stability, exp, the normaliser, log of it.
@@ -43,13 +46,19 @@ FP32_OP_PRIMITIVES: dict[str, tuple[str, ...]] = {
                         "erfc", "pow", "sin", "cos", "tan"),
     # Accumulating scans.
     "cumsum": ("cumsum", "cumprod", "cumlogsumexp"),
+    # An MoE router: the GEMM whose result reaches a top_k / argmax that dispatches tokens
+    # (precision._autocast._router finds it) computed f32 x f32 -> f32, so the top-k, the
+    # softmax and the gating weights after it run on f32 logits: bf16 logits tie where
+    # f32's differ and route tokens differently. ROUTER_GEMM is no JAX primitive; the
+    # interpreter reads it as the request.
+    "router": (ROUTER_GEMM, "top_k", "argmax", "argmin"),
 }
 
 # Primitive names accepted as op names of their own.
 PRIMITIVE_NAMES: frozenset[str] = frozenset(
     p for prims in FP32_OP_PRIMITIVES.values() for p in prims) | frozenset(
         ("reduce_prod", "reduce_min", "atan2", "sinh", "cosh", "erf_inv", "lgamma",
-         "digamma", "cbrt"))
+         "digamma", "cbrt")) - {ROUTER_GEMM}
 
 
 def accepted_names() -> list[str]:

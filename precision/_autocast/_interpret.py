@@ -22,7 +22,9 @@ from precision._policy import Policy
 from precision._autocast import _fp8
 from precision._autocast import _overrides
 from precision._autocast import _regions
+from precision._autocast import _router
 from precision._autocast import _rules as R
+from precision import _fp32_ops
 from precision import _gemm
 
 _F32 = np.dtype(np.float32)
@@ -41,6 +43,7 @@ class Env:
   root: str = ""   # a leading scope every op carries (Linen: the root module's class name)
   recompute_f32: bool = True  # f32 glue regions recomputed in backward (see _regions)
   fp8: Any = None   # _fp8.Fp8Run: the dot_generals that run in fp8 (by path), their state
+  routers: Any = None  # paths of the router GEMMs kept in f32 (the "router" f32 op)
   seen_scopes: set = dataclasses.field(default_factory=set)
   matched: set = dataclasses.field(default_factory=set)
   _policies: dict = dataclasses.field(default_factory=dict)
@@ -67,6 +70,12 @@ class Env:
   def compute_at(self, scope: str, direction: str) -> np.dtype:
     return np.dtype(self.policy_at(scope, direction).compute_dtype)
 
+  def overridden(self, scope: str) -> bool:
+    """Whether an override (or a submodule's own policy) governs the forward ops of
+    `scope`: then it, not the "router" f32 op, decides a router GEMM there."""
+    return _overrides.governing(self.rules, scope, self.module_at, "fwd",
+                                self.module_policy).policy is not None
+
   def record(self, scope: str) -> None:
     if scope and scope not in self.seen_scopes:
       self.seen_scopes.add(scope)
@@ -92,6 +101,9 @@ def eval_jaxpr(env: Env, jaxpr, consts, args, prefix: str = "", path: tuple = ()
   `path` locates `jaxpr` in the root program: equation indices, each container's followed
   by the index of its sub-jaxpr (`_fp8.sub_jaxprs`); fp8 sites are chosen by path."""
   vals: dict = {}
+  if not path and env.routers is None:
+    env.routers = (_router.router_gemms(jaxpr)
+                   if _fp32_ops.ROUTER_GEMM in env.fp32_primitives else frozenset())
   for v, x in zip(jaxpr.constvars, consts):
     vals[v] = x
   for v, x in zip(jaxpr.invars, args):
@@ -175,6 +187,8 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
   dts = [R.dtype_of(x) for x in invals]
   if env.fp8 is not None and path in env.fp8.selected:
     return _fp8.dot(env, eqn, invals, path)
+  if name == "dot_general" and path in (env.routers or ()) and _router_in_f32(env, scope):
+    return _router_dot(eqn, invals)
   if name in R.GEMMS:
     plan = _gemm_plan_at(env, eqn, dts, scope, backward)
     if plan is None:
@@ -229,6 +243,22 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
   if name in R.POLYMORPHIC:
     return _compat.bind_eqn(eqn, invals)
   return _verbatim(eqn, invals)
+
+
+def _router_in_f32(env: Env, scope: str) -> bool:
+  """A router GEMM runs in f32 where the scope computes below f32 (in an f32 scope it runs
+  as written) and no override governs the scope (an override on the router decides it)."""
+  return not R.as_written(env.policy_at(scope).compute_dtype) and not env.overridden(scope)
+
+
+def _router_dot(eqn, invals):
+  """A router GEMM f32 x f32 -> f32 (wider operands stay wider), at its traced precision:
+  JAX's own transpose gives f32 x f32 gradient GEMMs, as Megatron's moe_router_dtype=fp32."""
+  ops = [R.cast(x, _F32) if R.below_f32(R.dtype_of(x)) else x for x in invals]
+  out = _gemm.wider_float(_F32, R.as_dtype(eqn.outvars[0].aval.dtype))
+  p = eqn.params
+  return lax.dot_general(ops[0], ops[1], p["dimension_numbers"], precision=p.get("precision"),
+                         preferred_element_type=out, out_sharding=p.get("out_sharding"))
 
 
 def _gemm_plan_at(env: Env, eqn, dts, scope: str, backward: bool):

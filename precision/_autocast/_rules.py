@@ -18,6 +18,9 @@ Every equation of the traced program falls in one class:
 | as written       | custom_vjp calls, Pallas kernels, shard_map, | operands cast back to their traced     |
 |                  | fp8 and integer GEMMs, anything unknown      | dtypes and the op bound unchanged      |
 
+With the "router" f32 op, an MoE router's GEMM (its result reaches a top_k / argmax that
+dispatches tokens: _router) runs f32 x f32 -> f32 instead, unless an override governs it.
+
 Control flow (jit, scan, while, cond, remat, custom_jvp) is recursed into; loop carries
 and branch results keep their traced dtypes.
 

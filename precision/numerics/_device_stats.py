@@ -243,7 +243,8 @@ class _MxRounded(_Rounded):
     return [("count", self.nz & self.zero), ("count", self.nz & self.big)]
 
 
-def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
+def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None,
+                 elements=None) -> jnp.ndarray:
   """The statistics of each row of x (f32 [g, n]), row i rounded to dtypes[i]: [g, F].
 
   `layout` (_stats.block_layout of the rows' tensors; default: the rows as they are)
@@ -252,7 +253,11 @@ def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
   Two passes over the data for every count and extremum (one variadic reduce each: the
   first for amax, which the scaled roundings and SQNR's normaliser need, the second for
   every rounding's counts; MXFP8's join it where its blocks tile the rows in place, and
-  add a block amax reduction), plus one f32 sum per signal and noise term."""
+  add a block amax reduction), plus one f32 sum per signal and noise term.
+
+  `elements` (int32 [g], or None: every row's n): the elements each row holds, the rest
+  of it zeros that are no elements (an expert group's part, see
+  precision.numerics._interpret.take): they count in no fraction's total."""
   size = x.shape[1]
   finite = jnp.isfinite(x)
   nz = finite & (x != 0)
@@ -325,6 +330,9 @@ def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
   saturated = (_frac(counts[3], n) if fp8.any() else jnp.zeros(n.shape, jnp.float32))
   sqnr = _sqnr(sums[0], sums[1], overflow, n)
   total = jnp.full(n.shape, size, jnp.int32)
+  if elements is not None:   # a padding zero is no element: not a zero of the tensor
+    n_zeros = n_zeros - (total - elements)
+    total = elements
   out = [n.astype(jnp.float32), _frac(n_nonfinite, total), _frac(n_zeros, total),
          amax, amin, drange, underflow, subnormal, overflow, saturated, sqnr]
   for at, where in plan:
@@ -338,7 +346,8 @@ def _block_stats(x, dtypes, whatif: bool, layout=None, xm=None) -> jnp.ndarray:
   return jnp.stack([jnp.asarray(c, jnp.float32) for c in out], axis=1)
 
 
-def batch_stats(values, dtypes, whatif: bool = True, block_axes=None) -> jnp.ndarray:
+def batch_stats(values, dtypes, whatif: bool = True, block_axes=None,
+                counts=None) -> jnp.ndarray:
   """The statistics of each tensor `values[i]` rounded to `dtypes[i]`, as f32
   [len(values), len(FIELDS)] (BASE_FIELDS only when `whatif` is False). Definitions:
   precision.numerics.TensorStats.
@@ -351,6 +360,9 @@ def batch_stats(values, dtypes, whatif: bool = True, block_axes=None) -> jnp.nda
   reductions along the rows), so the program has one set of operations per distinct
   tensor shape, not per tensor (a transformer's layers repeat a few); it holds one f32
   copy of each stacked group while it runs (two where the blocks need a transposition).
+
+  `counts[i]` (an int32 scalar, or None: its size): how many elements `values[i]` holds,
+  the rest zeros that are none (an expert group's rows under a jitted telemetry).
   """
   k = len(values)
   fields = FIELDS if whatif else BASE_FIELDS
@@ -378,7 +390,11 @@ def batch_stats(values, dtypes, whatif: bool = True, block_axes=None) -> jnp.nda
       if layout is not None and layout[0] is not None:
         xm = jnp.stack([jnp.ravel(jnp.transpose(values[i], layout[0])).astype(jnp.float32)
                         for i in idx])
-      blocks.append(_block_stats(x, [dtypes[i] for i in idx], whatif, layout, xm))
+      c = None
+      if counts is not None and any(counts[i] is not None for i in idx):
+        c = jnp.stack([jnp.asarray(n if counts[i] is None else counts[i], jnp.int32)
+                       for i in idx])
+      blocks.append(_block_stats(x, [dtypes[i] for i in idx], whatif, layout, xm, c))
     order += idx
   if len(blocks) == 1:
     return blocks[0]

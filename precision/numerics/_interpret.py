@@ -33,6 +33,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
 
 from precision import _compat
@@ -270,8 +271,8 @@ class Recorder:
         self._emit(info, value, dtype)
         continue
       for g, *where, _ in groups:   # one row per expert group: its rows, its weight
-        part = value[where[k]]
-        self._emit(dataclasses.replace(info, shape=tuple(part.shape), group=g,
+        part = take(value, where[k])
+        self._emit(dataclasses.replace(info, shape=part_shape(part, where[k]), group=g,
                                        block_axes=_kept_axes(ax, where[k])), part, dtype)
     if _stats.is_float(out_dtype):
       last = (out.ndim - 1,) if out.ndim else ()
@@ -285,47 +286,103 @@ class Recorder:
       self.on_tensor(info, value, dtype)
       return
     for g, where in groups:
-      part = value[where]
-      self.on_tensor(dataclasses.replace(info, shape=tuple(part.shape), group=g,
+      part = take(value, where)
+      self.on_tensor(dataclasses.replace(info, shape=part_shape(part, where), group=g,
                                          block_axes=_kept_axes(info.block_axes, where)),
                      part, dtype)
 
 
+class GroupRows(NamedTuple):
+  """A traced expert group's rows along a ragged axis: from `start`, `n` of them (int32
+  scalars, runtime values under a jitted telemetry)."""
+  start: Any
+  n: Any
+
+
+class GroupPart(NamedTuple):
+  """A traced expert group's part of a tensor (see `take`): `value` has the tensor's
+  static shape with the group's `rows` (int32, runtime) first along the ragged axis and
+  zeros after them, which feed no statistic (precision.numerics._device_stats)."""
+  value: Any
+  rows: Any
+  axis: int
+
+
 def group_slices(eqn, invals) -> list | None:
-  """A grouped GEMM's (ragged_dot_general's) expert groups, from its concrete group
-  sizes: [(group, lhs index, rhs index, out index)], one per nonempty group, each index a
-  tuple of slices/ints selecting that group's part (its rows of lhs, its weight or its
-  rows of the other operand, its part of the result). Rows past the last group (a
-  capacity buffer's padding) are in no group. None when the sizes are traced values (a
-  jitted telemetry: one row for the whole tensor) or for a ragged batch dimension."""
+  """A grouped GEMM's (ragged_dot_general's) expert groups: [(group, lhs index, rhs
+  index, out index)], each index a tuple of slices/ints selecting that group's part (its
+  rows of lhs, its weight or its rows of the other operand, its part of the result).
+  Rows past the last group (a capacity buffer's padding) are in no group.
+
+  Concrete group sizes (inspect): one entry per nonempty group, the ragged rows a slice.
+  Traced sizes (a jitted telemetry: the number of groups E is static, their sizes are
+  not): one entry per group, empty ones included, the ragged rows a `GroupRows` that
+  `take` reads. None for a ragged batch dimension."""
   sizes = invals[2]
-  if isinstance(sizes, jax.core.Tracer) or np.ndim(sizes) != 1:
+  if np.ndim(sizes) != 1:
     return None
-  sizes = np.asarray(sizes).astype(np.int64)
+  traced = isinstance(sizes, jax.core.Tracer)
+  if traced:
+    sizes = jnp.asarray(sizes, jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    rows = lambda g: GroupRows(starts[g], sizes[g])
+  else:
+    sizes = np.asarray(sizes).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    rows = lambda g: slice(int(starts[g]), int(starts[g] + sizes[g]))
   dims = eqn.params["ragged_dot_dimension_numbers"]
   (lc, rc), (lb, _) = dims.dot_dimension_numbers
   (r,) = dims.lhs_ragged_dimensions
   nl, nr, no = np.ndim(invals[0]), np.ndim(invals[1]), len(eqn.outvars[0].aval.shape)
-  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
   full = lambda n: [slice(None)] * n
   out = []
-  for g, (s, n) in enumerate(zip(starts, sizes)):
-    if n <= 0:
+  for g in range(int(sizes.shape[0])):
+    if not traced and sizes[g] <= 0:
       continue
     li, ri, oi = full(nl), full(nr), full(no)
-    li[r] = slice(int(s), int(s + n))
+    li[r] = rows(g)
     if r in lc:      # ragged contraction (a weight gradient): out [G, ...], group g's
-      ri[rc[list(lc).index(r)]] = slice(int(s), int(s + n))
+      ri[rc[list(lc).index(r)]] = rows(g)
       oi = [g] + full(no - 1)
     elif r not in lb:   # ragged rows: the rhs group dimension picks expert g
       (gd,) = dims.rhs_group_dimensions
       ri[gd] = g
       free = [d for d in range(nl) if d not in lc and d not in lb]
-      oi[len(lb) + free.index(r)] = slice(int(s), int(s + n))
+      oi[len(lb) + free.index(r)] = rows(g)
     else:
       return None
     out.append((g, tuple(li), tuple(ri), tuple(oi)))
   return out
+
+
+def take(value, where):
+  """value[where]; where a `GroupRows` selects traced rows along an axis, a `GroupPart`:
+  the rows moved to the front of that axis (a dynamic slice of the tensor padded with
+  zeros), the other rows zeroed, so the part keeps a static shape, its MXFP8 blocks along
+  the ragged axis start at the group's first row as inspect's do, and rows of other
+  groups or past the last group (NaN included) feed nothing."""
+  ragged = [a for a, w in enumerate(where) if isinstance(w, GroupRows)]
+  if not ragged:
+    return value[where]
+  (a,) = ragged
+  w, length = where[a], value.shape[a]
+  padded = jnp.concatenate([value, jnp.zeros_like(value)], axis=a)
+  part = lax.dynamic_slice_in_dim(padded, w.start, length, axis=a)
+  part = jnp.where(lax.broadcasted_iota(jnp.int32, part.shape, a) < w.n, part,
+                   jnp.zeros((), part.dtype))
+  static = tuple(slice(None) if isinstance(x, GroupRows) else x for x in where)
+  kept = a - sum(isinstance(x, (int, np.integer)) for x in where[:a])
+  return GroupPart(part[static], w.n, kept)
+
+
+def part_shape(part, where) -> tuple:
+  """The shape of a group's part; a traced part's ragged axis is -1 (known at runtime:
+  the TelemetryRecord's "rows" column)."""
+  if isinstance(part, GroupPart):
+    shape = list(part.value.shape)
+    shape[part.axis] = -1
+    return tuple(shape)
+  return tuple(part.shape)
 
 
 def _kept_axes(axes: tuple, where: tuple) -> tuple:

@@ -45,12 +45,13 @@ class TensorStats:
       for a GEMM operand the axes the GEMM contracts (a dot_general's contracting
       dimensions, in its dimension_numbers' order; a convolution's input-feature axis),
       for "out" its last axis.
-    group: for a grouped GEMM (ragged_dot_general, an MoE layer's expert GEMMs) inspected
-      eagerly, the expert group the row measures: that group's rows of the ragged
-      operand, its expert's weight (or its rows of the other operand, for the weight
-      gradient) and its part of the result, one row per nonempty group (rows past the
-      last group, a capacity buffer's padding, are in none); None for other GEMMs and
-      under a jitted telemetry (the group sizes are traced: one row per tensor).
+    group: for a grouped GEMM (ragged_dot_general, an MoE layer's expert GEMMs), the
+      expert group the row measures: that group's rows of the ragged operand, its
+      expert's weight (or its rows of the other operand, for the weight gradient) and
+      its part of the result (rows past the last group, a capacity buffer's padding, are
+      in none); None for other GEMMs. Eagerly (inspect) one row per nonempty group;
+      under a jitted telemetry, where the sizes are runtime values, one per group, an
+      empty group's rows of size 0 included.
 
   The values measured, x (taken in f32): the value BEFORE the program rounds it to
   `dtype`: for an operand that a convert_element_type narrowed (autocast's cast of an f32

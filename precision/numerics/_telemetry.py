@@ -12,12 +12,20 @@ function can return a TelemetryRecord and `record.report()` names every row.
 Differences from `inspect`, all forced by tracing: a `cond` whose predicate is traced
 and a `while` loop run whole (their GEMMs are listed in `unvisited`); a `scan` is
 unrolled (its body's GEMMs get one row per iteration) up to MAX_UNROLL iterations, and
-runs whole beyond that. Under jit XLA fuses the statistics with the step; with
+runs whole beyond that. A grouped GEMM (lax.ragged_dot) gets one row per expert group
+and operand as inspect does, its E groups static and their sizes runtime values: each
+group's part is the tensor's static shape with the group's rows dynamically sliced to
+the front and the rest zeroed (no element of it: it counts in no statistic), an empty
+group's rows included with size 0; the record then has a "rows" column (the runtime
+rows of each part, for its shape). That costs E measurements of each grouped tensor
+(E times its size in f32 while they run); a record without grouped GEMMs is unchanged.
+Under jit XLA fuses the statistics with the step; with
 `precision.enable_faithful_rounding()` every value is the one its dtype computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
@@ -159,6 +167,10 @@ class TelemetryRecord:
       d["nonzero"] = int(d["nonzero"])
       for f in _device_stats.WHATIF_FIELDS:
         d.setdefault(f, math.nan)
+      n_rows = d.pop("rows", None)
+      if -1 in info.shape:   # an expert group's part: its rows known at runtime
+        info = dataclasses.replace(
+            info, shape=tuple(int(n_rows) if s == -1 else s for s in info.shape))
       rows.append(_report.TensorStats(**vars(info), size=int(np.prod(info.shape)), **d))
     return _report.NumericsReport(name, self.policy, tuple(rows), self.unvisited)
 
@@ -209,10 +221,13 @@ def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bo
     raise ValueError(f"whatif={whatif!r}; accepted: True or False")
   infos: list = []
   tensors: list = []
+  grouped: list = []
 
   def on_tensor(info, value, dtype):
     infos.append(info)
     tensors.append((value, dtype))
+    if isinstance(value, _interpret.GroupPart):   # an expert group's runtime rows
+      grouped.append(len(tensors) - 1)
 
   recorder_box: list = []
 
@@ -225,11 +240,30 @@ def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bo
                                              recorder=make)
   rec = recorder_box[0]
   order = {"lhs": 0, "rhs": 1, "out": 2}
-  perm = sorted(range(len(infos)), key=lambda i: (infos[i].index, order[infos[i].operand]))
+  # inspect's order: by GEMM, then expert group (grouped GEMMs), then operand.
+  perm = sorted(range(len(infos)), key=lambda i: (
+      infos[i].index, -1 if infos[i].group is None else infos[i].group,
+      order[infos[i].operand]))
   fields = _device_stats.FIELDS if whatif else _device_stats.BASE_FIELDS
-  stats = _device_stats.batch_stats([tensors[i][0] for i in perm],
-                                    [tensors[i][1] for i in perm], whatif,
-                                    [infos[i].block_axes for i in perm])
+  values = [tensors[i][0] for i in perm]
+  counts = None
+  if grouped:
+    # Expert groups of a grouped GEMM with runtime sizes: each part has the tensor's
+    # static shape, its group's rows first (precision.numerics._interpret.take); its
+    # element count and its rows (a "rows" column: the report's shape) are runtime.
+    counts = [None] * len(values)
+    rows = jnp.zeros((len(values),), jnp.float32)
+    for k, v in enumerate(values):
+      if isinstance(v, _interpret.GroupPart):
+        per_row = int(np.prod(v.value.shape)) // max(int(v.value.shape[v.axis]), 1)
+        counts[k] = jnp.asarray(v.rows, jnp.int32) * np.int32(per_row)
+        rows = rows.at[k].set(jnp.asarray(v.rows, jnp.float32))
+        values[k] = v.value
+  stats = _device_stats.batch_stats(values, [tensors[i][1] for i in perm], whatif,
+                                    [infos[i].block_axes for i in perm], counts)
+  if grouped:
+    fields = fields + ("rows",)
+    stats = jnp.concatenate([stats, rows[:, None]], axis=1)
   keys = tuple(k for k, _ in rec.monitors)
   values = (jnp.stack([jnp.asarray(v, jnp.float32) for _, v in rec.monitors]) if keys
             else jnp.zeros((0,), jnp.float32))

@@ -1,0 +1,125 @@
+"""Which GEMMs of a traced program are MoE routers: the `router` f32 op.
+
+A router GEMM is a GEMM whose result reaches a routing decision - a `top_k` or an
+`argmax`/`argmin` whose indices dispatch tokens (reach a GEMM operand, a gather or scatter
+index, a sort or a dynamic slice: Mixtral's argsort and bincount into ragged_dot's group
+sizes, Switch's one-hot dispatch einsum) - through ops that do not mix values across a
+GEMM: dtype-polymorphic, promoting and f32 ops (softmax, a bias, a noise term, a
+temperature). An argmax of an LM head's logits for an accuracy metric dispatches nothing
+and leaves the head alone.
+
+Why f32 (Megatron's `moe_router_dtype="fp32"`, DeepSeek-V3 keeping its gating in
+f32, MaxText's f32 gate logits): a router's logits rounded to bf16 tie where f32's differ
+(8 significant bits), and top-k then picks by index, not by value - a routing decision
+that differs from fp32's, with no error to show for it. The router GEMM is tiny (E
+columns), so f32 costs nothing measurable.
+
+`router_gemms(jaxpr)` returns the interpreter paths of those GEMMs (the numbering of
+`_interpret.eval_jaxpr`: equation indices, each container's followed by its sub-jaxpr's
+index), found through jit/pjit, remat and scan/while/cond bodies.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from precision._autocast import _rules as R
+
+# The routing decisions.
+DECISIONS = frozenset(("top_k", "argmax", "argmin"))
+# Ops whose index operands dispatch rows.
+_DISPATCH = R.GEMMS | frozenset((
+    "gather", "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+    "scatter-min", "scatter_min", "scatter-max", "scatter_max", "sort", "dynamic_slice",
+    "dynamic_update_slice"))
+# Ops a logit passes through on its way from the router GEMM to the decision.
+_PASS = R.POLYMORPHIC | frozenset(R.PROMOTING)
+
+
+def _subs(eqn) -> list:
+  """(sub-jaxpr, path index, offset of its first invar among the eqn's invars, outputs map
+  to the eqn's) for each sub-jaxpr of a container."""
+  p, name = eqn.params, eqn.primitive.name
+  if name in ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "scan"):
+    j = p.get("jaxpr", p.get("call_jaxpr"))
+    return [(j, 0, 0, True)]
+  if name == "while":
+    return [(p["cond_jaxpr"], 0, 0, False), (p["body_jaxpr"], 1, p["cond_nconsts"], True)]
+  if name == "cond":
+    return [(b, k, 1, True) for k, b in enumerate(p["branches"])]
+  return []
+
+
+def _is_var(v) -> bool:
+  return not isinstance(v, jax.extend.core.Literal)
+
+
+def _float_vars(vs) -> list:
+  return [v for v in vs if _is_var(v) and R.is_float(getattr(v.aval, "dtype", None))]
+
+
+def _jaxpr(j):
+  return getattr(j, "jaxpr", j)
+
+
+def _dispatches(jaxpr, start) -> bool:
+  """Whether the values `start` (variables of `jaxpr`) reach a dispatching op."""
+  tainted = set(start)
+  for eqn in jaxpr.eqns:
+    ins = [v for v in eqn.invars if _is_var(v)]
+    if not any(v in tainted for v in ins):
+      continue
+    if eqn.primitive.name in _DISPATCH or _subs(eqn):
+      return True
+    tainted.update(eqn.outvars)
+  return False
+
+
+def _has_gemm(jaxpr) -> bool:
+  for eqn in _jaxpr(jaxpr).eqns:
+    if eqn.primitive.name in R.GEMMS:
+      return True
+    for v in eqn.params.values():
+      for s in v if isinstance(v, (tuple, list)) else (v,):
+        if hasattr(s, "eqns") or hasattr(s, "jaxpr"):
+          if _has_gemm(s):
+            return True
+  return False
+
+
+def _walk(jaxpr, path: tuple, needed_outs: set, found: set) -> set:
+  """Adds to `found` the router GEMMs of `jaxpr` (at `path`); returns the indices of its
+  invars whose values reach a routing decision (of its own, or through the outputs
+  `needed_outs` of the enclosing program)."""
+  jaxpr = _jaxpr(jaxpr)
+  needed = {v for i, v in enumerate(jaxpr.outvars) if i in needed_outs}
+  for i in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[i]
+    name = eqn.primitive.name
+    outs_needed = [k for k, v in enumerate(eqn.outvars) if v in needed]
+    if name in DECISIONS:
+      if _dispatches(jaxpr, eqn.outvars[-1:]) or outs_needed:
+        needed.update(_float_vars(eqn.invars))
+      continue
+    subs = _subs(eqn)
+    if subs:
+      for sub, k, offset, maps_outs in subs:
+        ins = _walk(sub, path + (i, k), set(outs_needed) if maps_outs else set(), found)
+        needed.update(_float_vars(eqn.invars[offset + n] for n in ins))
+      continue
+    if not outs_needed:
+      continue
+    if name in R.GEMMS:
+      found.add(path + (i,))
+    elif name in _PASS or (name == "custom_jvp_call"
+                           and not _has_gemm(eqn.params["call_jaxpr"])):
+      # A custom_jvp (jax.nn.softmax, relu) without a GEMM inside passes its logits on.
+      needed.update(_float_vars(eqn.invars))
+  return {n for n, v in enumerate(jaxpr.invars) if v in needed}
+
+
+def router_gemms(jaxpr) -> frozenset:
+  """The interpreter paths of the router GEMMs of `jaxpr` (see the module docstring)."""
+  found: set = set()
+  _walk(jaxpr, (), set(), found)
+  return frozenset(found)
