@@ -144,19 +144,26 @@ def test_bad_seed_batch_is_a_value_error_that_touches_nothing(tmp_path):
        eval_every=0)
 
 
-def test_cli_bad_seed_batch_exits_2_with_one_line(tmp_path):
+def _cli_refuses(tmp_path, args, line):
+  """`python -m precision.study` on the params MLP with `args` exits 2 with the one error
+  line `line`, and writes no --out."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   out = tmp_path / "cli"
   p = subprocess.run([sys.executable, "-m", "precision.study",
-                      os.path.join(TASKS, "params_mlp.py:task"), "--seeds", "2",
-                      "--seed-batch", "0", "--out", str(out), "--no-progress"],
+                      os.path.join(TASKS, "params_mlp.py:task"), *args,
+                      "--out", str(out), "--no-progress"],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert p.returncode == 2, p.stderr[-2000:]
-  lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-  assert lines == ["error: seed_batch=0; accepted: an integer from 1 to the seeds per "
-                   "recipe (2), or None for the library's choice"], p.stderr[-2000:]
+  lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+  assert lines == [line], p.stderr[-2000:]
   assert not out.exists()
+
+
+def test_cli_bad_seed_batch_exits_2_with_one_line(tmp_path):
+  _cli_refuses(tmp_path, ["--seeds", "2", "--seed-batch", "0"],
+               "error: seed_batch=0; accepted: an integer from 1 to the seeds per "
+               "recipe (2), or None for the library's choice")
 
 
 class _Interrupt(Exception):
@@ -453,19 +460,10 @@ def test_unstackable_batches_with_seeds_auto_touch_nothing(tmp_path):
 
 
 def test_cli_seed_batch_above_max_seeds_exits_2_with_one_line(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  out = tmp_path / "cli"
-  p = subprocess.run([sys.executable, "-m", "precision.study",
-                      os.path.join(TASKS, "params_mlp.py:task"), "--seeds", "auto",
-                      "--max-seeds", "6", "--margin", "0.01", "--seed-batch", "7",
-                      "--out", str(out), "--no-progress"],
-                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert p.returncode == 2, p.stderr[-2000:]
-  lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-  assert lines == ["error: seed_batch=7; accepted: an integer from 1 to max_seeds (6), or "
-                   "None for the library's choice"], p.stderr[-2000:]
-  assert not out.exists()
+  _cli_refuses(tmp_path, ["--seeds", "auto", "--max-seeds", "6", "--margin", "0.01",
+                          "--seed-batch", "7"],
+               "error: seed_batch=7; accepted: an integer from 1 to max_seeds (6), or "
+               "None for the library's choice")
 
 
 def _step_records(out):

@@ -152,7 +152,7 @@ def is_candidate(eqn) -> bool:
   return all(R.is_float(d) and not R.is_fp8(d) for d in dts)
 
 
-def _has_gemm(eqn, memo: dict) -> bool:
+def has_gemm(eqn, memo: dict) -> bool:
   """Whether the equation is, or holds in any sub-jaxpr, a dot_general or convolution."""
   if eqn.primitive.name in R.GEMMS:
     return True
@@ -162,7 +162,7 @@ def _has_gemm(eqn, memo: dict) -> bool:
       if hasattr(inner, "eqns"):
         if id(inner) not in memo:
           memo[id(inner)] = False  # recursion guard
-          memo[id(inner)] = any(_has_gemm(e, memo) for e in inner.eqns)
+          memo[id(inner)] = any(has_gemm(e, memo) for e in inner.eqns)
         if memo[id(inner)]:
           return True
   return False
@@ -216,7 +216,7 @@ def find_sites(env, jaxpr, backward_gemms: list | None = None) -> list[Site]:
         for k, sub, kind in subs:  # cond branches
           walk(sub, *at(k, kind), ins[1:])
       if outs is None:
-        outs = [any(ins) or _has_gemm(eqn, memo)] * len(eqn.outvars)
+        outs = [any(ins) or has_gemm(eqn, memo)] * len(eqn.outvars)
       act.update(v for v, a in zip(eqn.outvars, outs) if a)
     return [is_act(v) for v in jx.outvars]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 
+from precision._autocast import _fp8
 from precision._autocast import _rules as R
 
 # The routing decisions.
@@ -76,15 +77,9 @@ def _dispatches(jaxpr, start) -> bool:
 
 
 def _has_gemm(jaxpr) -> bool:
-  for eqn in _jaxpr(jaxpr).eqns:
-    if eqn.primitive.name in R.GEMMS:
-      return True
-    for v in eqn.params.values():
-      for s in v if isinstance(v, (tuple, list)) else (v,):
-        if hasattr(s, "eqns") or hasattr(s, "jaxpr"):
-          if _has_gemm(s):
-            return True
-  return False
+  """Whether `jaxpr` holds a GEMM, in any sub-jaxpr too (`_fp8.has_gemm` per equation)."""
+  memo: dict = {}
+  return any(_fp8.has_gemm(eqn, memo) for eqn in _jaxpr(jaxpr).eqns)
 
 
 def _walk(jaxpr, path: tuple, needed_outs: set, found: set) -> set:
