@@ -230,6 +230,21 @@ class Plan:
     from precision.optim import _build  # pylint: disable=g-import-not-at-top
     return _build.build_optimizer(self, inner, seed=seed, axis_name=axis_name)
 
+  def bound_dict(self) -> dict[str, Any]:
+    """What `bind` added to the recipe, JSON-safe (a checkpoint records it beside
+    ``recipe.to_dict()``, and restore compares it): {"overrides": [[key, direction,
+    policy], ...] in the order given, "fp32_ops": [op names]}. A module-type key is
+    written by its qualified name.
+
+    Examples:
+      >>> bind("bf16_mixed", overrides={"*head*": "f32"}).bound_dict()["overrides"]
+      [['*head*', 'both', 'p=f32,c=f32,o=f32']]
+    """
+    key = lambda k: k if isinstance(k, str) else f"{k.__module__}.{k.__qualname__}"
+    return {"overrides": [[key(r.key), r.direction, str(r.policy)]
+                          for r in self.autocast_spec.rules],
+            "fp32_ops": list(self.fp32_ops)}
+
   def describe(self) -> str:
     """One line: the recipe, its policy and the overrides."""
     return self.autocast_spec.describe()
