@@ -174,8 +174,8 @@ def merge_state_grads(new_state: Mapping[str, Fp8DotState],
   return out
 
 
-def autocast_value_and_grad(fn: Callable, recipe: Recipe | str | Plan, argnums: int | Sequence[int] = 0,
-                            *, has_aux: bool = False,
+def autocast_value_and_grad(fn: Callable, recipe: Recipe | str | Plan,
+                            argnums: int | Sequence[int] = 0, *, has_aux: bool = False,
                             overrides: Mapping[Any, Any] | None = None,
                             fp32_ops=None) -> Callable:
   """`jax.value_and_grad` of `fn` under an fp8 recipe, carrying the fp8 scaling state.
