@@ -768,6 +768,25 @@ class Recipe:
     return cls(loss_scale=loss_scale, fp8=fp8, spike_guard=spike, **kwargs)
 
 
+def with_fp8_keeps(recipe: Recipe, patterns: tuple[str, ...]) -> Recipe:
+  """`recipe` whose fp8 config also keeps the GEMMs of module path `patterns` (fnmatch) in
+  the compute dtype (after its own `keep_high_precision`, repeats dropped); `recipe`
+  itself without fp8 or without patterns."""
+  if recipe.fp8 is None or not patterns:
+    return recipe
+  keep = tuple(dict.fromkeys(recipe.fp8.keep_high_precision + tuple(patterns)))
+  return recipe.replace(fp8=dataclasses.replace(recipe.fp8, keep_high_precision=keep))
+
+
+def with_growth_interval(recipe: Recipe, growth: int | None) -> Recipe:
+  """`recipe` whose dynamic loss scale grows after `growth` finite steps; `recipe` itself
+  when `growth` is None or its loss scale is not dynamic."""
+  if growth is None or recipe.loss_scale.kind != "dynamic":
+    return recipe
+  return recipe.replace(loss_scale=dataclasses.replace(recipe.loss_scale,
+                                                       growth_interval=growth))
+
+
 def _config_from_kwargs(cls: type, d: dict[str, Any], path: str) -> Any:
   """A LossScaleConfig / Fp8Config / SpikeGuardConfig from a partial dict of keyword
   arguments (constructor convenience: missing fields take their defaults; unknown ones

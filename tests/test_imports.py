@@ -19,11 +19,10 @@ ROOT = pathlib.Path(precision.__file__).parent
 # Each strongly connected set of modules of the whole graph (function-level imports
 # included) that is allowed, and why it stays.
 KNOWN_CYCLES = {
-    frozenset({"precision._plan", "precision._autocast._api", "precision.optim._build",
-               "precision.optim._ledger"}):
-        "a Plan holds an AutocastSpec and offers plan.optimizer / plan.memory_ledger, "
-        "while AutocastSpec.make, build_optimizer and memory_ledger each accept a Plan: "
-        "the Plan side imports them in the function",
+    frozenset({"precision._plan", "precision._autocast._api", "precision.optim._build"}):
+        "a Plan holds an AutocastSpec and offers plan.optimizer, while AutocastSpec.make "
+        "and build_optimizer each accept a Plan: plan.optimizer and AutocastSpec.make "
+        "import the other side in the function",
     frozenset({"precision.study._task", "precision.study._bisect_cell",
                "precision.study._cells", "precision.study._digest",
                "precision.study._models"}):

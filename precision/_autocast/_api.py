@@ -36,7 +36,7 @@ import numpy as np
 from precision import _fp32_ops
 from precision import _trace_state
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
-from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, PRESETS, Recipe, get_recipe
+from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, PRESETS, Recipe
 from precision._autocast import _fp8
 from precision._autocast import _overrides
 from precision._autocast import _interpret
@@ -125,13 +125,13 @@ class AutocastSpec:
       return policy
     if isinstance(policy, _plan.Plan):
       plan = _plan.as_plan(policy, overrides, fp32_ops)
-      return _with_fp8(plan.autocast_spec, plan.recipe, fp8_state, policy)
-    recipe, given = None, policy
-    if isinstance(policy, Recipe) or (isinstance(policy, str) and "=" not in policy
-                                      and policy in PRESETS):
-      recipe = get_recipe(policy)
-      policy = recipe.policy
-      fp32_ops = recipe.fp32_ops if fp32_ops is None else fp32_ops
+      return _with_fp8(plan.autocast_spec, plan, fp8_state, policy)
+    plan, given = None, policy
+    if _plan.is_recipe(policy):
+      # A recipe is bound here (its overrides are parsed below, against module_base).
+      plan = _plan.as_plan(policy)
+      policy = plan.policy
+      fp32_ops = plan.fp32_ops if fp32_ops is None else fp32_ops
     if isinstance(policy, str) and "=" not in policy:
       try:
         get_policy(policy)
@@ -141,8 +141,9 @@ class AutocastSpec:
             f"such as 'p=f32,c=bf16,o=f32', a dtype ({e}), or a preset: "
             f"{', '.join(PRESETS)}") from e
     spec = cls.build(policy, overrides, fp32_ops, module_base=module_base,
-                     recompute_f32=recompute_f32, recipe=recipe)
-    return _with_fp8(spec, recipe, fp8_state, given)
+                     recompute_f32=recompute_f32,
+                     recipe=None if plan is None else plan.recipe)
+    return _with_fp8(spec, plan, fp8_state, given)
 
   @classmethod
   def build(cls, policy: Policy | str, overrides: Mapping[Any, Any] | None = None,
@@ -171,26 +172,26 @@ def refuse_fp8_recipe(policy: Any, where: str) -> None:
   """Raises for an fp8 recipe (or a plan of one) given where only a policy applies: a
   model marked by apply_policy / linen_policy gets no fp8 layers (apply_recipe does)."""
   from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
-  recipe = policy.recipe if isinstance(policy, _plan.Plan) else (
-      get_recipe(policy) if isinstance(policy, Recipe) or (
-          isinstance(policy, str) and "=" not in policy and policy in PRESETS)
-      else None)
-  if recipe is not None and recipe.fp8 is not None:
+  if not (isinstance(policy, _plan.Plan) or _plan.is_recipe(policy)):
+    return
+  plan = _plan.as_plan(policy)
+  if plan.fp8 is not None:
     raise ValueError(
-        f"{where}: recipe {recipe.name!r} has fp8 GEMMs, whose scaling state (amax history, "
+        f"{where}: recipe {plan.name!r} has fp8 GEMMs, whose scaling state (amax history, "
         "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
         "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
         "recipe's policy), precision.autocast(fn, recipe) on a function, or "
         f"{where}(..., recipe.policy) for the policy alone")
 
 
-def _with_fp8(spec: AutocastSpec, recipe: Recipe | None, fp8_state: bool,
+def _with_fp8(spec: AutocastSpec, plan: Any, fp8_state: bool,
               given: Any) -> AutocastSpec:
-  """`spec` running the recipe's fp8 GEMMs itself (autocast of a function)."""
-  fp8 = recipe.fp8 if recipe is not None else None
+  """`spec` running the fp8 GEMMs of `plan` (a Plan, or None for a bare policy) itself
+  (autocast of a function)."""
+  fp8 = plan.fp8 if plan is not None else None
   if fp8 is not None and fp8.scaling == "delayed" and fp8_state is not True:
     raise ValueError(
-        f"Recipe {recipe.name!r} scales its fp8 GEMMs with delayed scaling "
+        f"Recipe {plan.name!r} scales its fp8 GEMMs with delayed scaling "
         "(fp8.scaling='delayed'): each GEMM's amax history is state carried from step "
         "to step, which plain autocast has nowhere to keep. Either carry it: "
         "g = precision.autocast(fn, recipe, fp8_state=True) with state = "

@@ -134,13 +134,21 @@ def sub_jaxprs(eqn) -> list[tuple[int, Any, str | None]]:
   return []  # custom_jvp_call (primal and rule are separate programs), platform cond
 
 
+def _kernels():
+  """(precision.fp8._dot, precision.fp8._grouped): the fp8 GEMM kernels, imported when a
+  program is first traced under an fp8 recipe. In a function, the one place: importing a
+  module of precision.fp8 runs that package first, whose entry points (init_state,
+  autocast_value_and_grad) import this package at module level."""
+  from precision.fp8 import _dot, _grouped  # pylint: disable=g-import-not-at-top
+  return _dot, _grouped
+
+
 def is_grouped(eqn) -> bool:
   """A ragged_dot_general (a grouped MoE GEMM) with lax.ragged_dot's dimension numbers
   and no group offset: it runs through `precision.fp8._grouped` (per-expert scales)."""
-  from precision.fp8 import _grouped  # pylint: disable=g-import-not-at-top
   p = eqn.params
   return (eqn.primitive.name == "ragged_dot_general" and p.get("group_offset") is None
-          and _grouped.is_basic(p["ragged_dot_dimension_numbers"]))
+          and _kernels()[1].is_basic(p["ragged_dot_dimension_numbers"]))
 
 
 def is_candidate(eqn) -> bool:
@@ -307,7 +315,7 @@ def threading(run: Fp8Run | None, states: Mapping[str, Any]):
 def _check_state(state: Any, keys: list[str], spec, stacks: Mapping[str, tuple]) -> None:
   """`state` is a dict {key: Fp8DotState} with exactly `keys`, shaped for `spec` (with
   the scan lengths `stacks[key]` leading)."""
-  from precision.fp8._dot import Fp8DotState  # pylint: disable=g-import-not-at-top
+  Fp8DotState = _kernels()[0].Fp8DotState  # pylint: disable=invalid-name
   if not isinstance(state, Mapping):
     raise ValueError(
         f"fp8 state {type(state).__name__} {state!r:.80}; accepted: the dict "
@@ -387,8 +395,7 @@ def prepare(env, jaxpr, config, stateful: bool, state: Any, check_state: bool = 
             ) -> tuple[Fp8Run, list[Decision]]:
   """The Fp8Run for evaluating `jaxpr` under `config`; a stateful run's `state` is checked
   against the sites chosen (unless `check_state` is False: choosing sites only)."""
-  from precision.fp8._dot import Fp8Spec  # pylint: disable=g-import-not-at-top
-  spec = Fp8Spec.from_config(config)
+  spec = _kernels()[0].Fp8Spec.from_config(config)
   backward_gemms: list = []
   sites = find_sites(env, jaxpr, backward_gemms)
   if backward_gemms:
@@ -409,7 +416,7 @@ def dot(env, eqn, invals, path: tuple):
   """The fp8 GEMM of a selected site: `fp8_dot_general` on the operands as they arrive
   (any float dtype: the quantisation divides in f32), the result in the compute dtype (or
   the wider accumulator the traced program asked for, as the policy GEMM)."""
-  from precision.fp8._dot import fp8_dot_general  # pylint: disable=g-import-not-at-top
+  kernels, grouped = _kernels()
   run: Fp8Run = env.fp8
   key = run.selected[path]
   lt, rt = (np.dtype(v.aval.dtype) for v in eqn.invars[:2])
@@ -417,10 +424,9 @@ def dot(env, eqn, invals, path: tuple):
   explicit = pref is not None and np.dtype(pref).itemsize > max(lt.itemsize, rt.itemsize)
   out_dtype = np.dtype(pref) if explicit else np.dtype(env.policy.compute_dtype)
   if path in run.grouped:
-    from precision.fp8._grouped import fp8_ragged_dot  # pylint: disable=g-import-not-at-top
-    return fp8_ragged_dot(invals[0], invals[1], invals[2], run.spec, out_dtype=out_dtype)
+    return grouped.fp8_ragged_dot(invals[0], invals[1], invals[2], run.spec, out_dtype=out_dtype)
   state = run.spec.init_state() if run.state_in is None else run.state_in[key]
-  out, new = fp8_dot_general(invals[0], invals[1], eqn.params["dimension_numbers"], state,
+  out, new = kernels.fp8_dot_general(invals[0], invals[1], eqn.params["dimension_numbers"], state,
                              run.spec, out_dtype=out_dtype)
   if run.state_in is not None:  # stateless runs keep no record (sites may sit in loops)
     run.state_out[key] = new
@@ -431,8 +437,7 @@ def init_states(config, decisions: list[Decision]) -> dict:
   """Fresh state (zero histories, unit scales, zero counters) for every fp8 site, with
   the lengths of the scans around it leading."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from precision.fp8._dot import Fp8Spec  # pylint: disable=g-import-not-at-top
-  spec = Fp8Spec.from_config(config)
+  spec = _kernels()[0].Fp8Spec.from_config(config)
   out = {}
   for d in decisions:
     if d.fp8 and not d.site.grouped:

@@ -31,8 +31,8 @@ import ml_dtypes
 import numpy as np
 
 from precision._policy import dtype_name
-from precision._plan import Plan, as_plan
-from precision._recipe import MICRO_SCALINGS, Recipe
+from precision._plan import GemmDtypes, Plan, as_plan
+from precision._recipe import Recipe
 from precision.audit._report import PrecisionViolation
 
 _F32 = np.dtype(np.float32)
@@ -375,20 +375,6 @@ def custom_call_targets(module: Any) -> dict[str, int]:
   return dict(collections.Counter(c.target for c in custom_calls(module)))
 
 
-def _expected(recipe: Recipe) -> tuple[str, str | None, str | None]:
-  """(compute dtype name, fp8 forward format name, fp8 backward format name)."""
-  compute = np.dtype(recipe.policy.compute_dtype).name
-  if recipe.fp8 is None or recipe.fp8.scaling in MICRO_SCALINGS:
-    return compute, None, None
-  fwd = np.dtype(_fp8_dtype(recipe.fp8.forward_format)).name
-  bwd = np.dtype(_fp8_dtype(recipe.fp8.backward_format)).name
-  return compute, fwd, bwd
-
-
-def _fp8_dtype(name: str) -> np.dtype:
-  return np.dtype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[name])
-
-
 def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan,
                     platform: str | None = None) -> list[str]:
   """What in `gemms` (from one lowering) contradicts `recipe`; empty when it follows it.
@@ -427,16 +413,14 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan,
     One line per offending GEMM (signature, shape, name) plus a line per missing fp8
     direction.
   """
-  plan = as_plan(recipe)
-  recipe = plan.recipe
-  compute, fwd8, bwd8 = _expected(recipe)
-  allowed = {compute} | {np.dtype(r.policy.compute_dtype).name
-                         for r in plan.autocast_spec.rules}
+  want8 = as_plan(recipe).gemms  # the GEMM dtypes bind decided for the recipe
+  name, compute, fwd8, bwd8, allowed = (want8.recipe_name, want8.compute, want8.fwd8,
+                                        want8.bwd8, want8.allowed)
   found = []
   n_fp8 = collections.Counter()
-  micro = recipe.fp8 is not None and recipe.fp8.scaling in MICRO_SCALINGS
-  marker = f"{recipe.fp8.scaling}_gemm" if micro else None  # precision.fp8._microdot
-  lowering = recipe.fp8.micro_gemm if micro else None
+  micro = want8.micro is not None
+  marker = f"{want8.micro}_gemm" if micro else None  # precision.fp8._microdot
+  lowering = want8.micro_gemm
   for g in gemms:
     sig = " x ".join(g.signature()[:2]) + " -> " + g.signature()[2]
     where = f"{g.direction} {g.op} {g.shape} [{g.name or '?'}]"
@@ -447,31 +431,31 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan,
     if g.op == "block_scaled_dot":
       if in_scope:
         n_fp8[g.direction] += 1
-        found.extend(f"{bad}: {where}" for bad in _block_scaled_violations(g, recipe))
+        found.extend(f"{bad}: {where}" for bad in _block_scaled_violations(g, want8))
         if lowering == "emulated":
           found.append(f"block-scaled GEMM {sig} with fp8.micro_gemm='emulated' (recipe "
-                       f"{recipe.name}): {where}")
+                       f"{name}): {where}")
       else:
         found.append(f"block-scaled GEMM {sig} outside the microscaled GEMMs of recipe "
-                     f"{recipe.name}: {where}")
+                     f"{name}: {where}")
       continue
     if in_scope:
       n_fp8[g.direction] += 1
       if lowering == "block_scaled" and platform == "cuda":
-        found.append(f"{recipe.fp8.scaling} GEMM {sig} emulated in f32 with "
-                     f"fp8.micro_gemm='block_scaled' on cuda (recipe {recipe.name}), "
+        found.append(f"{want8.micro} GEMM {sig} emulated in f32 with "
+                     f"fp8.micro_gemm='block_scaled' on cuda (recipe {name}), "
                      f"expected a block-scaled GEMM: {where}")
       if (g.lhs_dtype, g.rhs_dtype) != (_F32.name, _F32.name):
-        found.append(f"{recipe.fp8.scaling} GEMM operands {sig}, expected the dequantised "
-                     f"f32 x f32 of the emulation (recipe {recipe.name}): {where}")
+        found.append(f"{want8.micro} GEMM operands {sig}, expected the dequantised "
+                     f"f32 x f32 of the emulation (recipe {name}): {where}")
       continue
     if not g.is_fp8:
       if g.lhs_dtype not in allowed or g.rhs_dtype not in allowed:
         found.append(f"GEMM operands {sig}, expected {_short(compute)} x {_short(compute)} "
-                     f"(recipe {recipe.name}): {where}")
+                     f"(recipe {name}): {where}")
       continue
     if fwd8 is None:
-      found.append(f"fp8 GEMM {sig} in recipe {recipe.name}, which has no fp8: {where}")
+      found.append(f"fp8 GEMM {sig} in recipe {name}, which has no fp8: {where}")
       continue
     n_fp8[g.direction] += 1
     if g.direction == "fwd":
@@ -482,41 +466,35 @@ def gemm_violations(gemms: Sequence[LoweredGemm], recipe: Recipe | str | Plan,
         sorted((g.lhs_dtype, g.rhs_dtype)))
     if got != want:
       found.append(f"fp8 {g.direction} GEMM operands {sig}, expected "
-                   f"{' x '.join(_short(w) for w in want)} (recipe {recipe.name}): {where}")
+                   f"{' x '.join(_short(w) for w in want)} (recipe {name}): {where}")
   if fwd8 is not None or micro:
     for direction in ("fwd", "bwd"):
       if not n_fp8[direction]:
-        found.append(f"recipe {recipe.name} has fp8 but the program has no {direction} fp8 "
+        found.append(f"recipe {name} has fp8 but the program has no {direction} fp8 "
                      "GEMM")
   return found
 
 
-_MICRO_ELEMENTS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
-                   "e2m1": ml_dtypes.float4_e2m1fn}
-_MICRO_SCALES = {"mxfp8": ml_dtypes.float8_e8m0fnu, "nvfp4": ml_dtypes.float8_e4m3fn}
-
-
-def _block_scaled_violations(g: LoweredGemm, recipe: Recipe) -> list[str]:
+def _block_scaled_violations(g: LoweredGemm, want8: GemmDtypes) -> list[str]:
   """What in one block-scaled GEMM of a microscaled recipe's scope contradicts it."""
-  fp8 = recipe.fp8
-  fwd = np.dtype(_MICRO_ELEMENTS[fp8.forward_format]).name
-  bwd = np.dtype(_MICRO_ELEMENTS[fp8.backward_format]).name
+  fwd, bwd = want8.micro_elements
+  scaling, name = want8.micro, want8.recipe_name
   want = (fwd, fwd) if g.direction == "fwd" else tuple(sorted((fwd, bwd)))
   got = (g.lhs_dtype, g.rhs_dtype)
   got = got if g.direction == "fwd" else tuple(sorted(got))
-  scale = np.dtype(_MICRO_SCALES[fp8.scaling]).name
+  scale = want8.micro_scale
   found = []
   if got != want:
-    found.append(f"{fp8.scaling} block-scaled {g.direction} GEMM elements "
+    found.append(f"{scaling} block-scaled {g.direction} GEMM elements "
                  f"{' x '.join(_short(t) for t in got)}, expected "
-                 f"{' x '.join(_short(t) for t in want)} (recipe {recipe.name})")
+                 f"{' x '.join(_short(t) for t in want)} (recipe {name})")
   if (g.lhs_scale_dtype, g.rhs_scale_dtype) != (scale, scale):
-    found.append(f"{fp8.scaling} block-scaled GEMM scales {_short(g.lhs_scale_dtype)} x "
+    found.append(f"{scaling} block-scaled GEMM scales {_short(g.lhs_scale_dtype)} x "
                  f"{_short(g.rhs_scale_dtype)}, expected {_short(scale)} x {_short(scale)} "
-                 f"(recipe {recipe.name})")
-  if g.block != fp8.block_size:
-    found.append(f"{fp8.scaling} block-scaled GEMM with blocks of {g.block}, expected "
-                 f"{fp8.block_size} (recipe {recipe.name}, fp8.block_size)")
+                 f"(recipe {name})")
+  if g.block != want8.micro_block:
+    found.append(f"{scaling} block-scaled GEMM with blocks of {g.block}, expected "
+                 f"{want8.micro_block} (recipe {name}, fp8.block_size)")
   return found
 
 

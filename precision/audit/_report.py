@@ -7,19 +7,16 @@ import dataclasses
 import fnmatch
 from typing import Any, Mapping
 
-import ml_dtypes
 import numpy as np
 
 from precision import _plan
 from precision._autocast import _overrides
 from precision._policy import Policy
-from precision._recipe import MICRO_SCALINGS
 from precision.audit import _format
 from precision.audit._format import short_dtype as _short
 from precision.audit._walk import ConvertRecord, GemmRecord, OpRecord
 
 _F32 = np.dtype(np.float32)
-_FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 
 
 def _below_f32(name: str) -> bool:
@@ -115,8 +112,10 @@ class PrecisionReport:
   def violations(self, policy: Any,
                  overrides: Mapping[Any, Policy | str] | None = None) -> list[str]:
     """The list `check` raises with (empty when the function follows the policy)."""
-    policy_arg = policy
-    spec = _plan.spec_for(policy, overrides)
+    # A recipe, a preset name or a Plan is bound once; a policy gives a spec alone.
+    plan = (_plan.as_plan(policy, overrides)
+            if isinstance(policy, _plan.Plan) or _plan.is_recipe(policy) else None)
+    spec = plan.autocast_spec if plan is not None else _plan.spec_for(policy, overrides)
     policy, rules = spec.policy, spec.rules
     allowed_anywhere = {np.dtype(r.policy.compute_dtype).name for r in rules
                         if not isinstance(r.key, str)}
@@ -133,26 +132,25 @@ class PrecisionReport:
         found.append(
             f"GEMM operands {_short(g.lhs_dtype)} x {_short(g.rhs_dtype)}, expected "
             f"{_short(compute)}: {where}")
-    found.extend(self._fp8_violations(policy_arg, overrides))
+    found.extend(self._fp8_violations(plan))
     for o in self.ops:
       if o.kind == "accumulating" and _is_float(o.dtype) and _below_f32(o.dtype):
         found.append(f"{o.primitive} accumulates in {_short(o.dtype)} (< f32): {o.direction} "
                      f"at {o.location or '?'} [{o.scope}] {o.op}")
     return found
 
-  def _fp8_violations(self, policy: Any, overrides) -> list[str]:
+  def _fp8_violations(self, plan: Any) -> list[str]:
     """For a recipe with per-tensor fp8 GEMMs (not microscaled): forward fp8 GEMMs in
     the forward format on both operands, backward ones with the gradient in the backward
     format against a forward-format operand, and a differentiated program with forward
     fp8 GEMMs has backward fp8 GEMMs (not compute-dtype ones: a gradient traced inside
     the autocast function would give those)."""
-    if not (isinstance(policy, _plan.Plan) or _plan.is_recipe(policy)):
+    if plan is None:  # a policy: no fp8 GEMMs
       return []
-    recipe = _plan.as_plan(policy, overrides).recipe
-    fp8 = recipe.fp8
-    if fp8 is None or fp8.scaling in MICRO_SCALINGS:
+    want8 = plan.gemms  # the GEMM dtypes bind decided
+    if want8.fwd8 is None:  # no fp8, or microscaled
       return []
-    fwd, bwd = (np.dtype(_FP8[f]).name for f in (fp8.forward_format, fp8.backward_format))
+    fwd, bwd, name = want8.fwd8, want8.bwd8, want8.recipe_name
     found, n = [], collections.Counter()
     for g in self.gemms:
       if not g.is_fp8:
@@ -164,13 +162,13 @@ class PrecisionReport:
       if got != want:
         found.append(f"fp8 {g.direction} GEMM operands {_short(g.lhs_dtype)} x "
                      f"{_short(g.rhs_dtype)}, expected {' x '.join(_short(w) for w in want)} "
-                     f"(recipe {recipe.name}): {g.primitive} {g.shape} at "
+                     f"(recipe {name}): {g.primitive} {g.shape} at "
                      f"{g.location or '?'} [{g.scope}]")
     has_bwd = any(g.direction == "bwd" for g in self.gemms)
     if n["fwd"] and has_bwd and not n["bwd"]:
       ran = sorted({_short(d) for g in self.gemms if g.direction == "bwd"
                     for d in (g.lhs_dtype, g.rhs_dtype)})
-      found.append(f"recipe {recipe.name}: {n['fwd']} forward fp8 GEMM(s) but no backward "
+      found.append(f"recipe {name}: {n['fwd']} forward fp8 GEMM(s) but no backward "
                    f"fp8 GEMM (the backward GEMMs run in {'/'.join(ran)}, not with the "
                    f"{_short(bwd)} gradients the recipe asks for)")
     return found

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision._policy import dtype_name
-from precision._recipe import Recipe
+from precision._plan import Plan
 from precision.checkpoint import _tree
 from precision import optim
 
@@ -70,8 +70,8 @@ def _dtypes(tree: Any) -> str:
   return "/".join(names) or "none"
 
 
-def convert(saved_params: Any, saved_opt: Any, saved_recipe: Recipe, target_params: Any,
-            target_opt: Any, recipe: Recipe, tx: Any) -> tuple[Any, Any, list[str]]:
+def convert(saved_params: Any, saved_opt: Any, saved_recipe: Plan, target_params: Any,
+            target_opt: Any, recipe: Plan, tx: Any) -> tuple[Any, Any, list[str]]:
   """(params, opt_state, notes) of recipe `recipe` from a state saved under `saved_recipe`.
 
   target_params / target_opt: abstract (or concrete) trees of recipe `recipe`'s state;
@@ -84,15 +84,17 @@ def convert(saved_params: Any, saved_opt: Any, saved_recipe: Recipe, target_para
   params = _cast_like(master, target_params)  # round to nearest into B's param dtypes
   opt = _cast_like(tx.init(master), target_opt)
   opt, carried = _carry_optax_states(saved_opt, opt)
-  has_master = saved_recipe.master_dtype is not None
-  source = (f"the {dtype_name(saved_recipe.master_dtype)} master" if has_master
+  saved_master = saved_recipe.optimizer_decisions.master_dtype
+  master_dtype = recipe.optimizer_decisions.master_dtype
+  has_master = saved_master is not None
+  source = (f"the {dtype_name(saved_master)} master" if has_master
             else f"the {_dtypes(saved_params)} params upcast to f32")
   notes = [
       f"recipe {saved_recipe.name} -> {recipe.name}",
       f"params: {_dtypes(saved_params)} -> {_dtypes(params)}, rounded to nearest from {source}",
   ]
-  if recipe.master_dtype is not None:
-    notes.append(f"master: {dtype_name(recipe.master_dtype)} copy of {source}")
+  if master_dtype is not None:
+    notes.append(f"master: {dtype_name(master_dtype)} copy of {source}")
   if carried:
     notes.append(f"optax states carried over (cast to the new dtypes): {', '.join(carried)}")
   notes.append(f"other optimizer state (loss scale, counters, rounding state) "

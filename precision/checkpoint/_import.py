@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision._policy import dtype_name
-from precision._recipe import Recipe, get_recipe
+from precision._plan import Plan, as_plan
+from precision._recipe import Recipe
 from precision.checkpoint import _orbax
 from precision.checkpoint import _tree
 from precision.checkpoint._errors import CheckpointMismatchError
@@ -156,7 +157,7 @@ def _templates(node: Any, prefix: list[str]) -> Any:
   return jax.tree.map(leaf, node, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def import_orbax(path: str | os.PathLike, target: TrainState, recipe: Recipe | str, *,
+def import_orbax(path: str | os.PathLike, target: TrainState, recipe: Recipe | str | Plan, *,
                  optimizer: Any, item: str | None = None, step: int | None = None,
                  params_path: str | None = None) -> Imported:
   """The training state under `recipe` from the params of a plain Orbax checkpoint.
@@ -167,7 +168,7 @@ def import_orbax(path: str | os.PathLike, target: TrainState, recipe: Recipe | s
       (its newest step, or `step`).
     target: a TrainState built for `recipe` (e.g. by the training script's init): its
       params give the structure, shapes and dtypes; its model state and RNG are kept.
-    recipe: the Recipe (or preset name) to train under.
+    recipe: the Recipe, preset name or Plan to train under.
     optimizer: the recipe's optax transformation (`precision.optim.build_optimizer`):
       initialised fresh on the checkpoint's f32 values.
     item: the item name within a CheckpointManager step, when it holds several.
@@ -189,7 +190,8 @@ def import_orbax(path: str | os.PathLike, target: TrainState, recipe: Recipe | s
     ...                                         optimizer=tx)
     >>> imp.state.params, imp.notes
   """
-  recipe = get_recipe(recipe)
+  plan = as_plan(recipe)  # the recipe's decisions, bound once
+  recipe = plan.recipe
   if not isinstance(target, TrainState):
     raise ValueError(f"target must be a precision.checkpoint.TrainState, got "
                      f"{type(target).__name__}")
@@ -240,8 +242,9 @@ def import_orbax(path: str | os.PathLike, target: TrainState, recipe: Recipe | s
   notes.append(f"params: {_dtypes(saved, prefix, wanted)} -> "
                f"{'/'.join(sorted({dtype_name(d) for _, d in _floats(wanted)})) or 'none'} "
                f"(recipe {recipe.name}, rounded to nearest)")
-  if recipe.master_dtype is not None:
-    notes.append(f"master: {dtype_name(recipe.master_dtype)} copy of the checkpoint's values")
+  master_dtype = plan.optimizer_decisions.master_dtype
+  if master_dtype is not None:
+    notes.append(f"master: {dtype_name(master_dtype)} copy of the checkpoint's values")
   notes.append("optimizer state initialised fresh; model state and RNG of the target")
   if unused:
     notes.append(f"{len(unused)} checkpoint leaves are not params of the target and were "

@@ -51,6 +51,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from precision._plan import Plan, as_plan
 from precision._recipe import Recipe
 from precision._state import TrainState
 from precision.checkpoint import _convert
@@ -230,6 +231,31 @@ def _read_meta(step_dir: str) -> dict:
     raise ValueError("the metadata is not a JSON object")
   _files.check_format(meta, FORMAT_VERSION, f"Checkpoint step folder {step_dir}: its metadata")
   return meta
+
+
+def _plan_of(recipe: Any, what: str) -> Plan:
+  """`recipe` (a Recipe, a preset name or a Plan) as a Plan, bound once; one line naming
+  the value otherwise."""
+  if not isinstance(recipe, (Plan, Recipe, str)):
+    raise ValueError(f"{what}={recipe!r} (a {type(recipe).__name__}); accepted: a "
+                     "precision.Recipe, a preset name or a Plan (precision.bind)")
+  return as_plan(recipe)
+
+
+def _bound_difference(saved: Any, plan: Plan | None) -> str | None:
+  """The first difference between what `bind` added to the recipe of a step (its
+  overrides and fp32 ops, `Plan.bound_dict`) and the Plan it is restored into, or None.
+  Nothing is compared without a Plan, or with a step written before the record existed."""
+  if plan is None or saved is None:
+    return None
+  given = plan.bound_dict()
+  for field in ("overrides", "fp32_ops"):
+    if not isinstance(saved, dict) or saved.get(field) != given[field]:
+      was = saved.get(field) if isinstance(saved, dict) else saved
+      return (f"plan {field}: checkpoint {was!r}, target {given[field]!r} (restore with "
+              "the plan's recipe alone, plan.recipe, to take the state into other "
+              "overrides)")
+  return None
 
 
 def _saved_recipe(d: Any, what: str) -> Recipe:
@@ -419,7 +445,7 @@ class Checkpointer:
                                    f"read ({e})") from None
 
   def restore(self, target: TrainState, *, step: int | None = None,
-              recipe: Recipe | None = None, model_config: dict | None = None,
+              recipe: Recipe | str | Plan | None = None, model_config: dict | None = None,
               optimizer_for: Callable[[Recipe], Any] | None = None,
               mesh: jax.sharding.Mesh | None = None,
               allow_unverified: bool = False) -> Restored:
@@ -438,8 +464,11 @@ class Checkpointer:
       target: a TrainState (arrays or ShapeDtypeStructs, possibly sharded) built for
         `recipe`, or for the saved recipe when `recipe` is None.
       step: restore exactly this step (a damaged one raises instead of falling back).
-      recipe: restore into this recipe. When it differs from the saved one the state is
-        converted (see `_convert`), which needs `optimizer_for`.
+      recipe: restore into this recipe (a Recipe, a preset name or a Plan). When it
+        differs from the saved one the state is converted (see `_convert`), which needs
+        `optimizer_for`. A Plan's overrides and fp32 ops are compared with those the step
+        was saved with (`Plan.bound_dict`; steps written before they were recorded are
+        not compared): a difference raises CheckpointMismatchError.
       model_config: if given, compared with the saved model config.
       optimizer_for: recipe -> the optax transformation built for it (same inner
         optimizer as the run used); needed for a cross-recipe restore.
@@ -459,9 +488,13 @@ class Checkpointer:
       each newest step away before it could be read, 20 times in a row.
     """
     _check_state("target", target)
-    if recipe is not None and not isinstance(recipe, Recipe):
-      raise ValueError(f"recipe={recipe!r}; accepted: None (the saved recipe) or a "
-                       "precision.Recipe (precision.get_recipe(name) for a preset)")
+    if recipe is not None and not isinstance(recipe, (Recipe, Plan, str)):
+      raise ValueError(f"recipe={recipe!r}; accepted: None (the saved recipe), a "
+                       "precision.Recipe, a preset name or a Plan (precision.bind)")
+    # A Plan is compared with the overrides the step was saved with; a Recipe or a preset
+    # name carries none, so only its recipe is compared.
+    plan = None if recipe is None else _plan_of(recipe, "recipe")
+    given_plan = recipe if isinstance(recipe, Plan) else None
     if optimizer_for is not None and not callable(optimizer_for):
       raise ValueError(f"optimizer_for={optimizer_for!r}; accepted: None or a callable "
                        "recipe -> optax transformation")
@@ -477,8 +510,8 @@ class Checkpointer:
       for s in candidates:
         ident = _identity(self._step_dir(s))
         try:
-          r = self._restore_step(s, target, recipe, model_config, optimizer_for, mesh,
-                                 allow_unverified)
+          r = self._restore_step(s, target, plan, given_plan, model_config,
+                                 optimizer_for, mesh, allow_unverified)
         except Exception as e:  # pylint: disable=broad-except  (re-raised unless vanished)
           if self._vanished(s, ident):
             break  # deleted or replaced by a writer while read: scan again
@@ -533,7 +566,7 @@ class Checkpointer:
                         stacklevel=3)
     return r._replace(skipped=tuple(skipped))
 
-  def _restore_step(self, step, target, recipe, model_config, optimizer_for,
+  def _restore_step(self, step, target, plan, given_plan, model_config, optimizer_for,
                     mesh, allow_unverified=False) -> Restored:
     what = self._what(step)
     step_dir = self._step_dir(step)
@@ -578,7 +611,7 @@ class Checkpointer:
     saved_tree = read(_orbax.item_tree, state_dir, what)
     # Typed PRNG keys are held as uint32 key data; compared as the keys they were saved as.
     saved = _keys.typed_shapes(_tree.shapes_by_path(saved_tree), manifest, what)
-    recipe = saved_recipe if recipe is None else recipe
+    recipe = saved_recipe if plan is None else plan.recipe
     abstract = _tree.to_abstract(target)
     if mesh is not None:
       replicated = NamedSharding(mesh, PartitionSpec())
@@ -586,6 +619,9 @@ class Checkpointer:
           lambda x: x if getattr(x, "sharding", None) is not None else
           jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract)
     config_diff = _tree.config_difference(meta.get("model_config"), model_config)
+    bound_diff = _bound_difference(meta.get("plan"), given_plan)
+    if bound_diff is not None:
+      config_diff = bound_diff if config_diff is None else f"{config_diff}; {bound_diff}"
     converting = recipe != saved_recipe
 
     def mismatch(diff: str) -> _tree.CheckpointMismatchError:
@@ -639,8 +675,8 @@ class Checkpointer:
       raise mismatch(f"{diff} (the state saved under {saved_recipe.name} is rebuilt with "
                      "optimizer_for; was the run's inner optimizer the same?)")
     got = restore_arrays(saved_abstract)
-    params, opt, notes = _convert.convert(got.params, got.opt_state, saved_recipe,
-                                          abstract.params, abstract.opt_state, recipe,
+    params, opt, notes = _convert.convert(got.params, got.opt_state, as_plan(saved_recipe),
+                                          abstract.params, abstract.opt_state, plan,
                                           optimizer_for(recipe))
     if model_fits:
       model_state = got.model_state
@@ -742,7 +778,7 @@ class Checkpointer:
         if m.group(1) != "del":
           self.cleaned.append(name)
 
-  def claim(self, *, recipe: Recipe, model_config: dict | None = None,
+  def claim(self, *, recipe: Recipe | str | Plan, model_config: dict | None = None,
             seed: int | None = None) -> _owner.RunRecord:
     """Takes the lock and checks that the directory belongs to this run (recipe, model
     config, seed), recording it when the directory has no owner yet.
@@ -753,8 +789,7 @@ class Checkpointer:
     Raises:
       CheckpointOwnershipError naming the first differing field; CheckpointLockedError.
     """
-    if not isinstance(recipe, Recipe):
-      raise ValueError(f"recipe must be a precision.Recipe, got {type(recipe).__name__}")
+    recipe = _plan_of(recipe, "recipe").recipe  # the run is owned by its recipe
     if seed is not None and (isinstance(seed, (bool, np.bool_))
                              or not isinstance(seed, numbers.Integral)):
       raise ValueError(f"seed={seed!r}; accepted: an integer or None")
@@ -795,7 +830,7 @@ class Checkpointer:
               f"(newest: step {steps[-1]}): {diff}. Use another directory.")
     return _owner.create(recipe, model_config, seed)
 
-  def adopt(self, *, recipe: Recipe, model_config: dict | None = None,
+  def adopt(self, *, recipe: Recipe | str | Plan, model_config: dict | None = None,
             seed: int | None = None, reason: str) -> _owner.RunRecord:
     """Makes this run the directory's owner, explicitly: after a restore that converted
     another run's state (other recipe or seed) on purpose. The previous owner is kept in
@@ -803,6 +838,7 @@ class Checkpointer:
     """
     if not isinstance(reason, str) or not reason.strip():
       raise ValueError(f"reason={reason!r}; accepted: a non-empty string saying why")
+    recipe = _plan_of(recipe, "recipe").recipe
     self.acquire()
     old = _owner.read(self.directory)
     record = (_owner.create(recipe, model_config, seed) if old is None else
@@ -811,10 +847,14 @@ class Checkpointer:
     self._record = record
     return self.claim(recipe=recipe, model_config=model_config, seed=seed)
 
-  def save(self, step: int, state: TrainState, *, recipe: Recipe,
+  def save(self, step: int, state: TrainState, *, recipe: Recipe | str | Plan,
            model_config: dict | None = None, seed: int | None = None, data: Any = None,
            extra: dict | None = None) -> None:
     """Writes `state` and its metadata as checkpoint `step` (blocks until on disk).
+
+    `recipe` is a Recipe, a preset name or a Plan (`precision.bind`): the metadata holds
+    the recipe's dict and what the plan adds to it (overrides, fp32 ops: a Recipe's plan
+    has no overrides), which `restore` with a Plan compares.
 
     `data` (the data sampler's position) is None or a dict / NamedTuple of str ->
     integer: floats and bools are refused, not converted. `model_config` and `extra` are
@@ -835,8 +875,11 @@ class Checkpointer:
           "this host); accepted: a single-process job")
     _check_json("extra", extra)
     data = _json_data(data)  # checked before claim writes anything
-    record = self.claim(recipe=recipe, model_config=model_config, seed=seed)
-    meta = _files.stamp({"step": step, "recipe": recipe.to_dict(),
+    plan = _plan_of(recipe, "recipe")
+    record = self.claim(recipe=plan, model_config=model_config, seed=seed)
+    # The recipe and what bind added to it (overrides, fp32 ops): restore compares them.
+    meta = _files.stamp({"step": step, "recipe": plan.recipe.to_dict(),
+                         "plan": plan.bound_dict(),
                          "model_config": model_config,
                          "seed": None if seed is None else int(seed),
                          "run_id": record.run_id, "data": data, "extra": extra},
@@ -966,7 +1009,7 @@ def _raw_subtree(tree: Any, saved: dict, key: str) -> Any:
       is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: Recipe,
+def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: Recipe | str | Plan,
          model_config: dict | None = None, seed: int | None = None, data: Any = None,
          extra: dict | None = None, keep: int = 3, key: bytes | str | None = None) -> None:
   """One-shot `Checkpointer(directory, keep=keep, key=key).save(...)` (lock released
@@ -977,7 +1020,7 @@ def save(directory: str | os.PathLike, step: int, state: TrainState, *, recipe: 
 
 
 def restore(directory: str | os.PathLike, target: TrainState, *, step: int | None = None,
-            recipe: Recipe | None = None, model_config: dict | None = None,
+            recipe: Recipe | str | Plan | None = None, model_config: dict | None = None,
             optimizer_for: Callable[[Recipe], Any] | None = None,
             mesh: jax.sharding.Mesh | None = None,
             allow_unverified: bool = False, key: bytes | str | None = None) -> Restored:

@@ -86,7 +86,7 @@ def _check_mark(module: nnx.Module, plan: _plan.Plan, replace: bool) -> None:
         f"{old.policy.param_dtype.name} by that mark; accepted: the same recipe again (a "
         "no-op), replace=True (the new mark, params cast again; rounded values stay "
         "rounded) or a model built again")
-  if fp8_modules(module) and (old.recipe is None or old.recipe.fp8 != plan.fp8):
+  if fp8_modules(module) and (old.recipe is None or _plan.as_plan(old.recipe).fp8 != plan.fp8):
     raise ValueError(
         f"apply_recipe(replace=True): the model has fp8 GEMMs from {old.describe()}, which "
         f"{plan.autocast_spec.describe()} does not have; fp8 layers are not undone; "

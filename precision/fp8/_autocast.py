@@ -35,7 +35,10 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from precision._recipe import Recipe, get_recipe
+from precision._autocast import _api
+from precision._autocast import _fp8
+from precision._plan import Plan, as_plan
+from precision._recipe import Recipe
 from precision.fp8 import _scaling as sc
 from precision.fp8._dot import Fp8DotState
 
@@ -61,7 +64,6 @@ class GemmSite(NamedTuple):
 def _spec_and_fn(fn: Callable, recipe: Any, overrides, fp32_ops, fp8_state: bool | None):
   """(the AutocastSpec, the unwrapped function). fp8_state: True/False, or None: as the
   autocast function `fn` has it (recipe None), else True for delayed scaling only."""
-  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
   spec = getattr(fn, "autocast_spec", None)
   if recipe is None:
     if spec is None:
@@ -73,22 +75,21 @@ def _spec_and_fn(fn: Callable, recipe: Any, overrides, fp32_ops, fp8_state: bool
                        "autocast function of a recipe with an fp8 config")
     stateful = spec.fp8_state if fp8_state is None else fp8_state
     return dataclasses.replace(spec, fp8_state=stateful), fn.__wrapped__
-  if not isinstance(recipe, (Recipe, str)):
-    raise ValueError(f"recipe={recipe!r}; accepted: a precision.Recipe with an fp8 config "
-                     "or a preset name ('fp8_hybrid')")
+  if not isinstance(recipe, (Plan, Recipe, str)):
+    raise ValueError(f"recipe={recipe!r}; accepted: a precision.Recipe with an fp8 config, "
+                     "a preset name ('fp8_hybrid') or a Plan of one (precision.bind)")
+  plan = as_plan(recipe, overrides, fp32_ops)  # bound once
   if fp8_state is None:
-    fp8 = get_recipe(recipe).fp8
-    fp8_state = fp8 is not None and fp8.scaling == "delayed"
-  return _api.AutocastSpec.make(recipe, overrides, fp32_ops, fp8_state=fp8_state), fn
+    fp8_state = plan.fp8 is not None and plan.fp8.scaling == "delayed"
+  return _api.AutocastSpec.make(plan, fp8_state=fp8_state), fn
 
 
 def _decisions(fn, recipe, args, kwargs, overrides, fp32_ops, fp8_state):
-  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
   spec, inner = _spec_and_fn(fn, recipe, overrides, fp32_ops, fp8_state)
   return spec, _api.run(spec, inner, args, kwargs, evaluate=False).fp8_decisions
 
 
-def autocast_gemms(fn: Callable, recipe: Recipe | str | None, *args,
+def autocast_gemms(fn: Callable, recipe: Recipe | str | Plan | None, *args,
                    overrides: Mapping[Any, Any] | None = None, fp32_ops=None,
                    fp8_state: bool | None = None, **kwargs) -> list[GemmSite]:
   """Every forward dot_general of `fn(*args, **kwargs)` under `recipe`: whether it runs in
@@ -99,7 +100,8 @@ def autocast_gemms(fn: Callable, recipe: Recipe | str | None, *args,
   Args:
     fn: the function given to `precision.autocast`, or the autocast function itself
       with `recipe=None` (its recipe and overrides are used).
-    recipe: a Recipe with an fp8 config, or a preset name ("fp8_hybrid").
+    recipe: a Recipe with an fp8 config, a preset name ("fp8_hybrid"), or a Plan of
+      one (`precision.bind`, which then brings the overrides and fp32_ops).
     overrides, fp32_ops: as `precision.autocast` (they decide scopes' policies).
     fp8_state: as `precision.autocast` (with explicit state, GEMMs in while-loop
       bodies stay in the compute dtype); default: True for delayed
@@ -110,7 +112,7 @@ def autocast_gemms(fn: Callable, recipe: Recipe | str | None, *args,
                    d.site.rhs_shape, d.fp8, d.reason) for d in decisions]
 
 
-def init_state(fn: Callable, recipe: Recipe | str | None, *args,
+def init_state(fn: Callable, recipe: Recipe | str | Plan | None, *args,
                overrides: Mapping[Any, Any] | None = None, fp32_ops=None,
                **kwargs) -> dict[str, Fp8DotState]:
   """Fresh fp8 scaling state for `precision.autocast(fn, recipe, fp8_state=True)`: a dict
@@ -123,14 +125,14 @@ def init_state(fn: Callable, recipe: Recipe | str | None, *args,
   Args:
     fn: the function given to `precision.autocast`, or the autocast function itself
       with `recipe=None` (or call its `init_state(*args)`).
-    recipe: a Recipe with an fp8 config, or a preset name ("fp8_hybrid").
+    recipe: a Recipe with an fp8 config, a preset name ("fp8_hybrid"), or a Plan of
+      one (`precision.bind`, which then brings the overrides and fp32_ops).
     overrides, fp32_ops: as given to `precision.autocast` (overrides take GEMMs out of
       fp8, so the state must be made with the same ones).
 
   Raises:
     ValueError: a recipe without fp8 GEMMs, or a bad override.
   """
-  from precision._autocast import _fp8  # pylint: disable=g-import-not-at-top
   spec, decisions = _decisions(fn, recipe, args, kwargs, overrides, fp32_ops, True)
   return _fp8.init_states(spec.fp8, decisions)
 
@@ -172,8 +174,8 @@ def merge_state_grads(new_state: Mapping[str, Fp8DotState],
   return out
 
 
-def autocast_value_and_grad(fn: Callable, recipe: Recipe | str, argnums: int | Sequence[int] = 0,
-                            *, has_aux: bool = False,
+def autocast_value_and_grad(fn: Callable, recipe: Recipe | str | Plan,
+                            argnums: int | Sequence[int] = 0, *, has_aux: bool = False,
                             overrides: Mapping[Any, Any] | None = None,
                             fp32_ops=None) -> Callable:
   """`jax.value_and_grad` of `fn` under an fp8 recipe, carrying the fp8 scaling state.
@@ -195,8 +197,8 @@ def autocast_value_and_grad(fn: Callable, recipe: Recipe | str, argnums: int | S
     ...   value, grads, state = vg(state, params, x, y)
     ...   params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
   """
-  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
-  g = _api.autocast(fn, recipe, overrides, fp32_ops=fp32_ops, fp8_state=True)
+  plan = as_plan(recipe, overrides, fp32_ops)  # a recipe, preset name or Plan, bound once
+  g = _api.autocast(fn, plan, fp8_state=True)
   single = isinstance(argnums, int)
   nums = (argnums,) if single else tuple(argnums)
   if not nums or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0

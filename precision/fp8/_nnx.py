@@ -155,8 +155,8 @@ class Fp8DotGeneral(nnx.Module):
     # `out_sharding` is left to the partitioner (the result keeps the operands' sharding).
     del precision, out_sharding
     out_dtype = preferred_element_type or self.out_dtype
-    from precision._autocast import _api  # pylint: disable=g-import-not-at-top
-    if preferred_element_type is None and _api.tracing():
+    # An autocast tracing now (`precision._autocast._api.tracing`, read from the trace state).
+    if preferred_element_type is None and _trace_state.AUTOCAST.get():
       # Under autocast (apply_recipe) the model is traced as the plain program it is: the
       # GEMM returns what a plain dot of these operands would (its f32 accumulator for
       # f32 inputs), so the layer's own code (bias add, promotion) traces unchanged.

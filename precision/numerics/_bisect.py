@@ -24,7 +24,8 @@ import numpy as np
 from precision import checkpoint as ckpt_lib
 from precision import optim
 from precision._policy import Policy, dtype_name
-from precision._recipe import Recipe, get_recipe
+from precision._plan import Plan, as_plan
+from precision._recipe import Recipe
 from precision.checkpoint import _owner
 from precision.numerics import _inspect
 from precision.numerics import _report
@@ -75,20 +76,20 @@ def _check_groups(groups: Any) -> tuple:
   return out
 
 
-def f32_counterpart(recipe: Recipe) -> Recipe:
+def f32_counterpart(recipe: Recipe | str | Plan) -> Recipe:
   """`recipe` computing in f32: same param and output dtypes, optimizer, loss scaling
   and fp32 ops, so a state of `recipe` steps under it unchanged."""
-  p = recipe.policy
+  plan = as_plan(recipe)
+  p = plan.policy
   if np.dtype(p.compute_dtype) == _F32:
-    raise ValueError(f"recipe {recipe.name!r} computes in f32 already ({p}); accepted: a "
+    raise ValueError(f"recipe {plan.name!r} computes in f32 already ({p}); accepted: a "
                      "recipe with a bf16 or f16 compute dtype (nothing to promote)")
-  return recipe.replace(name=f"{recipe.name}_f32_compute",
-                        policy=Policy(p.param_dtype, _F32, p.output_dtype))
+  return plan.recipe.replace(name=f"{plan.name}_f32_compute",
+                             policy=Policy(p.param_dtype, _F32, p.output_dtype))
 
 
-def _promoted_policy(recipe: Recipe) -> str:
-  p = recipe.policy
-  return f"p={dtype_name(p.param_dtype)},c=f32,o={dtype_name(p.output_dtype)}"
+def _promoted_policy(policy: Policy) -> str:
+  return f"p={dtype_name(policy.param_dtype)},c=f32,o={dtype_name(policy.output_dtype)}"
 
 
 def literal(scope: str) -> str:
@@ -96,14 +97,16 @@ def literal(scope: str) -> str:
   return "".join(f"[{c}]" if c in "*?[]" else c for c in scope)
 
 
-def overrides_for(promoted: Iterable[str], groups: Sequence[str], recipe: Recipe) -> dict:
+def overrides_for(promoted: Iterable[str], groups: Sequence[str],
+                  recipe: Recipe | str | Plan) -> dict:
   """Autocast overrides promoting exactly the GEMMs of `promoted` (groups "scope:fwd",
   "scope:bwd", or plain scopes: both): each promoted group's scope gets the f32 policy
   for that direction, and a group nested in a promoted one of its direction but not
   promoted itself keeps the recipe's policy there (the deepest matching scope decides,
   per direction). A scope with both directions promoted gets the plain f32 policy."""
   promoted, groups = set(expand(promoted)), expand(groups)
-  up, base = _promoted_policy(recipe), str(recipe.policy)
+  policy = as_plan(recipe).policy
+  up, base = _promoted_policy(policy), str(policy)
   scopes = list(dict.fromkeys(split_group(g)[0] for g in (*groups, *sorted(promoted))))
   out = {}
   for scope in scopes:
@@ -175,8 +178,8 @@ def _gaps(losses: np.ndarray, ref: np.ndarray) -> np.ndarray:
 class _Replayer:
   """Runs the replays and keeps them, each against the reference once that exists."""
 
-  def __init__(self, make_step, recipe, state, batches, groups, tolerance):
-    self.make_step, self.recipe, self.state = make_step, recipe, state
+  def __init__(self, make_step, recipe, plan, state, batches, groups, tolerance):
+    self.make_step, self.recipe, self.plan, self.state = make_step, recipe, plan, state
     self.batches, self.groups, self.tolerance = batches, groups, tolerance
     self.ref: np.ndarray | None = None
     self.done: list[Replay] = []
@@ -190,7 +193,7 @@ class _Replayer:
     return np.stack(out)
 
   def run(self, kind: str, promoted: tuple = (), recipe: Recipe | None = None) -> Replay:
-    overrides = overrides_for(promoted, self.groups, self.recipe) if promoted else None
+    overrides = overrides_for(promoted, self.groups, self.plan) if promoted else None
     raw = self.losses(recipe or self.recipe, overrides)
     if self.ref is None:
       self.ref = raw
@@ -311,8 +314,8 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
       batches (the task's stream at the checkpoint's step), loss and the original
       losses (the cell's steps.jsonl) come from the cell; a checkpoint of another task
       (the study's task digest), recipe or seed is refused.
-    recipe: the run's Recipe or preset name (not fp8: its GEMMs are chosen by
-      Fp8Config, not overrides).
+    recipe: the run's Recipe, preset name or Plan without overrides (not fp8: its GEMMs
+      are chosen by Fp8Config, not overrides).
     state: the state to replay from; with `checkpoint`, the target it is restored into
       (a TrainState of the run's structure, e.g. its initial state).
     batches: the batches of the steps after the state (at least `steps`).
@@ -365,12 +368,17 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
   if not callable(make_step) and not is_task:
     raise ValueError(f"make_step={make_step!r}; accepted: make_step(recipe, overrides) "
                      "-> step(state, batch) -> (state, loss), or a precision.study.Task")
-  recipe = get_recipe(recipe)
+  plan = as_plan(recipe)  # a Recipe, a preset name or a Plan, bound once
+  if plan.bound_dict() != as_plan(plan.recipe).bound_dict():
+    raise ValueError(f"recipe={plan}: bisect sets the overrides itself (groups promoted to "
+                     "f32) and make_step takes the recipe alone; accepted: a Recipe, a "
+                     "preset name or a Plan without overrides or fp32_ops of its own")
+  recipe = plan.recipe  # what make_step(recipe, overrides) and the checkpoint take
   steps, tolerance = _check_steps(steps), _check_tolerance(tolerance)
-  if recipe.fp8 is not None:
-    raise ValueError(f"recipe {recipe.name!r} has fp8 GEMMs, which Fp8Config chooses "
+  if plan.fp8 is not None:
+    raise ValueError(f"recipe {plan.name!r} has fp8 GEMMs, which Fp8Config chooses "
                      "(keep_high_precision), not overrides; accepted: a recipe without fp8")
-  reference = f32_counterpart(recipe)
+  reference = f32_counterpart(plan)
   if groups is not None:
     groups = _check_groups(groups)
   start = None
@@ -394,7 +402,7 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
       restored = restore_checked(checkpoint, state, recipe, step, seed)
       state, start = restored.state, restored.step
   batches = _take(batches, steps)
-  report = _inspect_at(loss, recipe, state, batches[0]) if loss is not None else None
+  report = _inspect_at(loss, plan, state, batches[0]) if loss is not None else None
   found = expand(dict.fromkeys(r.scope for r in report.rows if r.scope)) if report else ()
   if groups is None:
     if not found:
@@ -403,7 +411,7 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
                        "groups); accepted: a loss whose layers run in scopes, or groups=")
     groups = found
   unscoped = sum(1 for r in report.rows if not r.scope) if report else 0
-  rp = _Replayer(make_step, recipe, state, batches, groups, tolerance)
+  rp = _Replayer(make_step, recipe, plan, state, batches, groups, tolerance)
   # The reference runs first so that every replay, the baseline included, has its gaps;
   # the baseline is listed first.
   rp.run("reference", recipe=reference)
@@ -418,20 +426,20 @@ def bisect(make_step: Any, recipe: Any, state: Any = None,
   if culprits and report is not None:
     at = _first_divergence(base, rp.ref, tolerance)
     if at:   # the culprit's tensors where the baseline leaves tolerance, not before
-      report = _inspect_at(loss, recipe, _replayed_state(rp, at), batches[at])
+      report = _inspect_at(loss, plan, _replayed_state(rp, at), batches[at])
     telemetry = _telemetry(report, culprits)
-  return BisectResult(recipe.name, reference.name, start, steps, tolerance, groups,
+  return BisectResult(plan.name, reference.name, start, steps, tolerance, groups,
                       culprits, len(culprits) == 1, not base.within, bool(culprits),
                       ident, mismatch, tuple(rp.done), telemetry, unscoped,
                       None if at is None else at + 1)
 
 
-def _inspect_at(loss, recipe: Recipe, state, batch):
+def _inspect_at(loss, plan: Plan, state, batch):
   """`inspect` of the scaled loss's gradient (as the step differentiates it) at `state`
   and `batch`."""
   scale = optim.loss_scale_of(state.opt_state)
   grad = jax.grad(lambda p, b: jnp.asarray(loss(p, b)).astype(jnp.float32) * scale)
-  return _inspect.inspect(grad, recipe, state.params, batch)
+  return _inspect.inspect(grad, plan, state.params, batch)
 
 
 def _first_divergence(base: Replay, ref: np.ndarray, tolerance: float) -> int:

@@ -13,7 +13,7 @@ from precision._autocast import autocast
 from precision.numerics import _interpret
 from precision.numerics import _report
 from precision.numerics import _stats
-from precision._recipe import Recipe, get_recipe
+from precision._plan import Plan, as_plan, is_recipe
 from precision.flax import _nnx
 
 class Captured(NamedTuple):
@@ -82,20 +82,15 @@ class AsWritten(NamedTuple):
   policy: str
 
 
-def _fp8_mark(recipe_or_policy, modules):
+def _fp8_mark(plan: Plan | None, modules):
   """The mark of an NNX model among `modules` prepared by apply_recipe with this fp8
-  recipe (its fp8 layers hold the scaling state, delayed scaling's amax histories
-  included), to trace under in place of the recipe; None otherwise."""
-  if isinstance(recipe_or_policy, str):
-    try:
-      recipe_or_policy = get_recipe(recipe_or_policy)
-    except ValueError:
-      return None   # a policy string
-  if not isinstance(recipe_or_policy, Recipe) or recipe_or_policy.fp8 is None:
+  plan's recipe (its fp8 layers hold the scaling state, delayed scaling's amax histories
+  included), to trace under in place of the plan; None otherwise (None: a policy)."""
+  if plan is None or plan.fp8 is None:
     return None
   for x in modules:
     spec = _nnx.spec_of(x)
-    if spec is not None and spec.recipe is not None and spec.recipe == recipe_or_policy:
+    if spec is not None and spec.recipe is not None and spec.recipe == plan.recipe:
       return spec
   return None
 
@@ -129,7 +124,10 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
   if isinstance(recipe_or_policy, AsWritten):
     wrapped, policy = flat_fn, recipe_or_policy.policy
   else:
-    wrapped = autocast(flat_fn, _fp8_mark(recipe_or_policy, modules) or recipe_or_policy)
+    # A recipe, a preset name or a Plan is bound once; a policy goes to autocast as is.
+    plan = (as_plan(recipe_or_policy) if isinstance(recipe_or_policy, Plan)
+            or is_recipe(recipe_or_policy) else None)
+    wrapped = autocast(flat_fn, _fp8_mark(plan, modules) or plan or recipe_or_policy)
     policy = str(wrapped.autocast_spec.policy)
   with _module_scopes(nodes):
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*arrays)
@@ -164,7 +162,8 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
   Args:
     fn: the function to inspect.
     recipe_or_policy: what precision.autocast accepts: a Policy, a policy string
-      ("p=f32,c=f16,o=f32"), a Recipe or a preset name ("bf16_mixed"). Loss scaling is
+      ("p=f32,c=f16,o=f32"), a Recipe, a preset name ("bf16_mixed") or a Plan
+      (`precision.bind`, with its overrides). Loss scaling is
       not applied (it belongs to the optimizer): scale the loss in `fn` to see its effect.
       An fp8 recipe on an NNX model that precision.flax.apply_recipe prepared with it
       runs under the model's mark: its fp8 layers quantise with their own scaling state

@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from precision._plan import Plan
+from precision._plan import OptimizerDecisions, Plan, as_plan
 from precision._recipe import Recipe
-from precision._plan import recipe_of
 from precision.optim import _direct
 from precision.optim import _fused
 from precision.optim import _guard
@@ -75,37 +74,36 @@ def build_optimizer(recipe: Recipe | str | Plan, inner: optax.GradientTransforma
     >>> tx = build_optimizer("bf16_master", optax.adamw(3e-4))
     >>> opt_state = tx.init(params)
   """
-  recipe = recipe_of(recipe)
+  opt = as_plan(recipe).optimizer_decisions
   _check_arguments(inner, seed, axis_name)
-  if recipe.fused != _fused.is_fused_adamw(inner):
-    if recipe.fused:
+  if opt.fused != _fused.is_fused_adamw(inner):
+    if opt.fused:
       raise ValueError(
-          f"recipe {recipe.name!r} has fused=True: its update is the fused AdamW kernel, "
-          f"whose hyperparameters come from inner; got inner={inner!r}; accepted: "
+          f"recipe {opt.recipe_name!r} has fused=True: its update is the fused AdamW "
+          f"kernel, whose hyperparameters come from inner; got inner={inner!r}; accepted: "
           "inner=precision.optim.fused_adamw(learning_rate, ...)")
     raise ValueError(
-        f"inner=fused_adamw(...) with recipe {recipe.name!r} (fused=False): the fused "
+        f"inner=fused_adamw(...) with recipe {opt.recipe_name!r} (fused=False): the fused "
         "kernel does its own rounding; accepted: a recipe with fused=True (e.g. "
         "get_recipe('bf16_sr').replace(name=..., fused=True)), or an optax optimizer "
         "such as optax.adamw for this recipe")
-  if recipe.fused:
-    tx = _fused.bind_to_recipe(inner, recipe.name, recipe.master_dtype is not None, seed,
+  if opt.fused:
+    tx = _fused.bind_to_recipe(inner, opt.recipe_name, opt.master_dtype is not None, seed,
                                axis_name)
-    return _guarded(recipe, tx, axis_name)
+    return _guarded(opt, tx, axis_name)
   tx = inner
-  if recipe.mu_dtype != _F32 or recipe.nu_dtype != _F32:
-    tx = _moments.moment_dtypes(tx, recipe.mu_dtype, recipe.nu_dtype)
-  param_dtype = recipe.policy.param_dtype
-  if recipe.master_dtype is not None:
-    tx = _master.master_weights(tx, recipe.master_dtype, recipe.rounding, seed,
+  if opt.moment_dtypes is not None:
+    tx = _moments.moment_dtypes(tx, *opt.moment_dtypes)
+  if opt.updates == "master":
+    tx = _master.master_weights(tx, opt.master_dtype, opt.rounding, seed,
                                 axis_name=axis_name)
-  elif recipe.rounding == "stochastic":
+  elif opt.updates == "stochastic":
     tx = _direct.stochastic_updates(tx, seed, axis_name=axis_name)
-  elif recipe.rounding == "kahan":
+  elif opt.updates == "kahan":
     tx = _kahan.kahan_updates(tx)
-  elif param_dtype != _F32:
+  elif opt.updates == "f32_update":
     tx = _direct.f32_update(tx)
-  return _guarded(recipe, tx, axis_name)
+  return _guarded(opt, tx, axis_name)
 
 
 def _check_arguments(inner: Any, seed: Any, axis_name: Any) -> None:
@@ -121,15 +119,15 @@ def _check_arguments(inner: Any, seed: Any, axis_name: Any) -> None:
                      "str) of the shard_map/pmap axis the update runs over")
 
 
-def _guarded(recipe: Recipe, tx: optax.GradientTransformation, axis_name: str | None
-             ) -> optax.GradientTransformation:
+def _guarded(opt: OptimizerDecisions, tx: optax.GradientTransformation,
+             axis_name: str | None) -> optax.GradientTransformation:
   """Steps 3 and 4 of `build_optimizer`: the recipe's loss scaling or non-finite
   skipping, then its spike guard."""
-  if recipe.loss_scale.kind == "none":
+  if opt.loss_scale is None:
     tx = _guard.skip_nonfinite(tx, axis_name)
   else:
-    tx = _guard.loss_scaling(tx, _loss_scale.from_config(recipe.loss_scale), axis_name)
-  sg = recipe.spike_guard
+    tx = _guard.loss_scaling(tx, _loss_scale.from_config(opt.loss_scale), axis_name)
+  sg = opt.spike_guard
   if sg is None:
     return tx
   return _spike.spike_guard(tx, window=sg.window, threshold=sg.threshold,

@@ -14,6 +14,7 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
+from precision import _recipe
 from precision._plan import bind
 from precision._policy import get_policy
 from precision._recipe import PRESETS, Recipe, get_recipe
@@ -119,10 +120,7 @@ def check_int(name: str, v: Any, lo: int) -> int:
 
 
 def _with_growth(recipe: Recipe, growth: int | None) -> Recipe:
-  if growth is None or recipe.loss_scale.kind != "dynamic":
-    return recipe
-  return recipe.replace(loss_scale=dataclasses.replace(recipe.loss_scale,
-                                                       growth_interval=growth))
+  return _recipe.with_growth_interval(recipe, growth)
 
 
 def make_config(recipes: Sequence[str | Recipe] | str, seeds: int, steps: int, *,

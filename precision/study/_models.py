@@ -38,7 +38,8 @@ from precision import _step_core
 from precision import flax as mp_flax
 from precision import fp8 as mp_fp8
 from precision import optim
-from precision._plan import Plan, bind
+from precision import _recipe
+from precision._plan import Plan, as_plan, bind
 from precision._recipe import Recipe
 from precision._state import TrainState
 from precision._train import train_step
@@ -196,11 +197,7 @@ def fp8_role_keeps(task: Task, model: nnx.Module, batch: Any) -> tuple[str, ...]
 
 def with_fp8_keeps(recipe: Recipe, paths: tuple[str, ...]) -> Recipe:
   """`recipe` whose fp8 config also keeps the GEMMs of `paths` in the compute dtype."""
-  if recipe.fp8 is None or not paths:
-    return recipe
-  keep = tuple(dict.fromkeys(recipe.fp8.keep_high_precision
-                             + tuple(_fnmatch_literal(p) for p in paths)))
-  return recipe.replace(fp8=dataclasses.replace(recipe.fp8, keep_high_precision=keep))
+  return _recipe.with_fp8_keeps(recipe, tuple(_fnmatch_literal(p) for p in paths))
 
 
 def _copy_leaves(tree: Any) -> Any:
@@ -268,9 +265,9 @@ def build(task: Task, recipe: Recipe, seed: int, fp8_keeps: tuple[str, ...] = ()
   return dataclasses.replace(prog, core=_core(prog.core, plan, task.optimizer, tx))
 
 
-def seeds_rounding(recipe: Recipe) -> bool:
+def seeds_rounding(recipe: Recipe | Plan) -> bool:
   """Whether `recipe`'s optimizer reads the seed (stochastic rounding, fused or not)."""
-  return recipe.rounding == "stochastic" or recipe.fused
+  return as_plan(recipe).optimizer_decisions.seeds_rounding
 
 
 def _core(make_step, plan: Plan, inner, tx):
@@ -280,7 +277,7 @@ def _core(make_step, plan: Plan, inner, tx):
   optimizer built for the cell."""
   def core(state, batch, t, seed):
     tx_seed = (optim.build_optimizer(plan, inner, seed=seed)
-               if seeds_rounding(plan.recipe) else tx)
+               if seeds_rounding(plan) else tx)
     return make_step(tx_seed)(state, batch, t)
   return core
 
@@ -346,9 +343,9 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
   else:
     module, f32_params, collections = None, model, {}
   _check_f32(kind, f32_params)
-  params = recipe.policy.cast_to_param(f32_params)
+  params = plan.policy.cast_to_param(f32_params)
   streams = task.rng_streams
-  has_fp8 = recipe.fp8 is not None
+  has_fp8 = plan.fp8 is not None
 
   def loss_of(params, collections, batch, rng, scale):
     # The loss in f32 times the optimizer's loss scale (1 without loss scaling), so the
@@ -372,13 +369,11 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
   # fp8 recipes run their GEMMs through autocast with the scaling state explicit (delayed
   # scaling keeps amax histories): model_state is then {"collections", "fp8"}.
   if has_fp8:
-    # The fp8 entry points take the plan's recipe and overrides (the same GEMM choice).
-    overrides = dict(plan.overrides) or None
-    vg = mp_fp8.autocast_value_and_grad(loss_of, recipe, has_aux=True, overrides=overrides)
+    # The fp8 entry points take the cell's plan itself (the same GEMM choice, bound once).
+    vg = mp_fp8.autocast_value_and_grad(loss_of, plan, has_aux=True)
     example = next(iter(task.batches(seed)))
-    fp8_state0 = mp_fp8.init_state(loss_of, recipe, params, collections, example,
-                                   jax.random.key(0), jnp.ones((), _F32),
-                                   overrides=overrides)
+    fp8_state0 = mp_fp8.init_state(loss_of, plan, params, collections, example,
+                                   jax.random.key(0), jnp.ones((), _F32))
     model_state = {"collections": collections, "fp8": fp8_state0}
   else:
     vg = jax.value_and_grad(_autocast.autocast(loss_of, plan), has_aux=True)

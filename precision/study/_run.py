@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision._plan import as_plan
 from precision._recipe import Recipe
 from precision.study import _batched
 from precision.study import _cells
@@ -67,7 +68,7 @@ class _Preflight:
     _models.check_loss(task, model, batch)
     self.digest = _digest.digest_of(model, batch)
     self.fp8_keeps: tuple[str, ...] = ()
-    if self.kind == "nnx" and any(r.fp8 is not None for r in cfg.recipes):
+    if self.kind == "nnx" and any(as_plan(r).fp8 is not None for r in cfg.recipes):
       self.fp8_keeps = _models.fp8_role_keeps(task, task.init(0), batch)
 
 
