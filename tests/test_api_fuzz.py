@@ -678,7 +678,7 @@ bad("restore-step-missing", "step=99", lambda: restore(step=99))
 for v in (None, {}, PARAMS, (PARAMS,)):
   bad(f"save-state-{short(v)}", "state", lambda v=v: save(state=v))
   bad(f"restore-target-{short(v)}", "target", lambda v=v: restore(target=v))
-for v in (None, "fp32", 3, mp.Policy("f32", "f32", "f32"), FP32.to_dict()):
+for v in (None, "fp33", 3, mp.Policy("f32", "f32", "f32"), FP32.to_dict()):
   bad(f"save-recipe-{short(v)}", "recipe", lambda v=v: save(recipe=v))
 for what, leaf in (("str", "x"), ("int", 3), ("float", 1.5), ("object", object())):
   bad(f"save-state-leaf-{what}", "state", lambda leaf=leaf: save(state=ck_state()._replace(
@@ -688,7 +688,7 @@ for what, leaf in (("str", "x"), ("int", 3), ("float", 1.5), ("object", object()
 for v in BAD_DIRS:
   bad(f"import_orbax-path-{short(v)}", "path",
       lambda v=v: checkpoint.import_orbax(v, ck_state(), FP32, optimizer=OPT))
-for v in ("fp32", 3, mp.Policy("f32", "f32", "f32")):
+for v in ("fp33", "bf16_mixed", 3, mp.Policy("f32", "f32", "f32")):
   bad(f"restore-recipe-{short(v)}", "recipe", lambda v=v: restore(recipe=v))
 for v in ({"a": float("nan")}, {"a": float("inf")}, {"a": object()}, {"a": {1, 2}}, {"a": b"x"},
           {1: 2}, {"a": {2: 3}}, {(1, 2): 3}):
@@ -797,7 +797,7 @@ def test_a_refused_save_writes_nothing(tmp_path, monkeypatch):
   d = tmp_path / "ckpt"
   refused = [dict(directory=""), dict(data={"seed": 1.7}), dict(data={"seed": True}),
              dict(model_config={1: 2}), dict(extra={"a": float("nan")}), dict(seed=1.5),
-             dict(keep=0), dict(key="short"), dict(step=-1), dict(recipe="fp32")]
+             dict(keep=0), dict(key="short"), dict(step=-1), dict(recipe="fp33")]
   for kw in refused:
     with pytest.raises(ValueError):
       save(**{"directory": d, **kw})
