@@ -171,10 +171,11 @@ def test_function_level_import_cycles_are_the_known_ones():
 # core the four packages still import each other (KNOWN_CYCLES); nothing imports the root
 # package, which re-exports the public surface. docs/architecture.md draws this table.
 LAYERS = (
-    ("_compat", "_fp32_ops", "_policy", "_state", "_version", "_intercept", "_trace_state"),
+    ("_compat", "_fp32_ops", "_policy", "_state", "_version", "_intercept", "_trace_state",
+     "_deprecation"),
     ("_numerics", "_gemm", "formats", "_recipe"),
     ("rounding", "ops"),
-    ("_autocast", "_plan", "fp8", "optim"),     # the recipe core
+    ("_autocast", "_plan", "fp8", "optim", "_grad"),     # the recipe core
     ("audit", "checkpoint", "flax", "_step_core"),
     ("numerics",),
     ("_train", "parallel"),

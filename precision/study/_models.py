@@ -374,7 +374,8 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
   if has_fp8:
     # The fp8 entry points take the plan's recipe and overrides (the same GEMM choice).
     overrides = dict(plan.overrides) or None
-    vg = mp_fp8.autocast_value_and_grad(loss_of, recipe, has_aux=True, overrides=overrides)
+    vg = mp_value_and_grad(_autocast.autocast(loss_of, recipe, overrides, fp8_state=True),
+                           has_aux=True)
     example = next(iter(task.batches(seed)))
     fp8_state0 = mp_fp8.init_state(loss_of, recipe, params, collections, example,
                                    jax.random.key(0), jnp.ones((), _F32),
