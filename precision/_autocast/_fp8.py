@@ -70,6 +70,7 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import numpy as np
 
+from precision import _dtypes
 from precision._autocast import _overrides
 from precision._autocast import _rules as R
 
@@ -149,7 +150,7 @@ def is_candidate(eqn) -> bool:
   if eqn.primitive.name != "dot_general" and not is_grouped(eqn):
     return False
   dts = [R.as_dtype(v.aval.dtype) for v in eqn.invars[:2]]
-  return all(R.is_float(d) and not R.is_fp8(d) for d in dts)
+  return all(_dtypes.is_float(d) and not R.is_fp8(d) for d in dts)
 
 
 def _has_gemm(eqn, memo: dict) -> bool:
@@ -342,7 +343,7 @@ def _non_float_gemms(jaxpr, out: list, seen: set) -> list:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       dts = [R.as_dtype(v.aval.dtype) for v in eqn.invars[:2]]
-      if not all(R.is_float(d) for d in dts):
+      if not all(_dtypes.is_float(d) for d in dts):
         out.append(f"{dts[0].name} x {dts[1].name} -> "
                    f"{R.as_dtype(eqn.outvars[0].aval.dtype).name}")
     for value in eqn.params.values():

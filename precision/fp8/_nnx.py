@@ -52,6 +52,7 @@ from precision import _trace_state
 from precision._policy import Policy
 from precision._recipe import Fp8Config
 from precision import _deprecation
+from precision._keypath import path_str as _path_name
 from precision.optim._tree import select_tree
 from precision.fp8 import _scaling as sc
 from precision.fp8._dot import OPERANDS, Fp8DotState, Fp8Spec, fp8_dot_general
@@ -240,10 +241,6 @@ class Fp8Einsum(nnx.Module):
       rhs = jnp.sum(rhs, axis=rsum, dtype=jnp.float32).astype(rhs.dtype)
     out = self.dot(lhs, rhs, dn, precision, preferred_element_type, out_sharding)
     return jnp.transpose(out, perm)
-
-
-def _path_name(path) -> str:
-  return "/".join(str(p) for p in path)
 
 
 def apply_fp8(module: nnx.Module, config: Fp8Config, policy: Policy | None = None, *,

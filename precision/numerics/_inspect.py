@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from precision import _intercept
+from precision import _keypath
 from precision._autocast import autocast
 from precision.numerics import _interpret
 from precision.numerics import _report
@@ -56,7 +57,7 @@ def _module_scopes(nodes):
   def path_in(parent, child) -> str:
     key = (id(parent), id(child))
     if key not in paths:
-      paths[key] = next(("/".join(str(p) for p in path)
+      paths[key] = next((_keypath.path_str(path)
                          for path, obj in nnx.iter_graph(parent) if obj is child), "")
     return paths[key]
 

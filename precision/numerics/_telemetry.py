@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision import _compat
+from precision import _dtypes
+from precision import _keypath
 from precision.audit import _walk
 from precision.numerics import _device_stats
 from precision.numerics import _interpret
@@ -243,11 +245,6 @@ PARAM_MONITORS = ("update_rms", "param_rms", "update_to_param", "update_lost",
                   "adam_rms_g2_over_v")
 
 
-def _path(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                  for k in path)
-
-
 def _rms(x):
   x = jnp.asarray(x, jnp.float32)
   return jnp.sqrt(jnp.mean(x * x)) if x.size else jnp.float32(0.0)
@@ -260,8 +257,8 @@ def _leaves(tree) -> list:
       tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     if isinstance(leaf, nnx.Variable):
       leaf = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
-    if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
-      out.append((_path(path), leaf))
+    if _dtypes.is_float(leaf):
+      out.append((_keypath.path_str(path), leaf))
   return out
 
 

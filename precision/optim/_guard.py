@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision import _dtypes
 from precision import _trace_state
 from precision.optim import _clip
 from precision.optim import _loss_scale
@@ -166,7 +167,7 @@ def _guard(inner, loss_scale, axis_name, skip):
     # broadcast reciprocal) between this reduction and the update, and keeps them as a
     # temporary the size of the grads.
     measured = [jnp.asarray(x) for x in jax.tree.leaves(grads)
-                if _tree.is_float(x) or isinstance(x, float)]
+                if _dtypes.is_float(x) or isinstance(x, float)]
     measured, scale = jax.lax.optimization_barrier((measured, state.loss_scale))
     norm, finite = _clip.norm_and_finite(scale.unscale(measured), axis_name)
     if value is not None:
