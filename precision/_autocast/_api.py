@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision import _deprecation
 from precision import _fp32_ops
 from precision import _trace_state
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
@@ -526,7 +527,8 @@ def _results(traced: Traced, spec: AutocastSpec, state: tuple[int, ...] | None,
   return out._make(items) if hasattr(out, "_make") else type(out)(items)
 
 
-def autocast(fn: Callable, policy: Any,
+@_deprecation.renamed_keyword("policy", "recipe", "precision.autocast")
+def autocast(fn: Callable, recipe: Any,
              overrides: Mapping[Any, Any] | None = None, *,
              fp32_ops=None, fp8_state: bool = False,
              state_outputs: int | tuple[int, ...] | None = None) -> Callable:
@@ -584,7 +586,7 @@ def autocast(fn: Callable, policy: Any,
     fn: any JAX-traceable function. Arguments that are arrays are traced; NNX modules
       are split and their state written back after the call; other arguments (Python
       numbers, strings, flags) are static.
-    policy: Policy, policy string ("p=f32,c=bf16,o=f32"), Recipe, preset name, or a
+    recipe: Policy, policy string ("p=f32,c=bf16,o=f32"), Recipe, preset name, or a
       Plan (`precision.bind(recipe, overrides=...)`, which then brings the overrides
       and fp32_ops: pass neither besides).
     overrides: {pattern or module type: policy}: fnmatch patterns on the scope an op was
@@ -643,7 +645,7 @@ def autocast(fn: Callable, policy: Any,
   if not callable(fn):
     raise ValueError(f"autocast: fn={fn!r}; accepted: a callable (the function to run "
                      "under the policy)")
-  spec = AutocastSpec.make(policy, overrides, fp32_ops, fp8_state=fp8_state)
+  spec = AutocastSpec.make(recipe, overrides, fp32_ops, fp8_state=fp8_state)
   _refuse_f64_without_x64(spec)
   state = _state_positions(state_outputs)
 

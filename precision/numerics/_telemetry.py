@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision import _compat
+from precision import _deprecation
 from precision import _dtypes
 from precision import _keypath
 from precision.audit import _walk
@@ -175,7 +176,8 @@ class TelemetryRecord:
             f"policy={self.policy!r})")
 
 
-def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = True,
+@_deprecation.renamed_keyword("recipe_or_policy", "recipe", "precision.numerics.gemm_telemetry")
+def gemm_telemetry(fn: Callable, recipe: Any, *args, whatif: bool = True,
                    **kwargs) -> TelemetryRecord:
   """The statistics of every GEMM operand, cotangent and result of `fn(*args, **kwargs)`
   under precision.autocast, and the logit monitors, as a TelemetryRecord of device arrays.
@@ -194,16 +196,18 @@ def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = Tr
       instability z-loss targets).
 
   Args:
-    fn, recipe_or_policy, *args, **kwargs: as precision.numerics.inspect.
+    fn, recipe, *args, **kwargs: as precision.numerics.inspect.
     whatif: compute the what-if columns (bf16, f16, E4M3, E5M2, MXFP8); False leaves them
       NaN in `report()` and costs about half of the statistics' work.
   Returns:
     A TelemetryRecord.
   """
-  return telemetry_and_outputs(fn, recipe_or_policy, *args, whatif=whatif, **kwargs)[0]
+  return telemetry_and_outputs(fn, recipe, *args, whatif=whatif, **kwargs)[0]
 
 
-def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = True,
+@_deprecation.renamed_keyword("recipe_or_policy", "recipe",
+                              "precision.numerics.telemetry_and_outputs")
+def telemetry_and_outputs(fn: Callable, recipe: Any, *args, whatif: bool = True,
                           **kwargs) -> tuple[TelemetryRecord, Any]:
   """gemm_telemetry and the outputs of the evaluation it measured: fn's results as
   autocast returns them (floating results in the policy's output dtype)."""
@@ -223,7 +227,7 @@ def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bo
     recorder_box.append(rec)
     return rec
 
-  policy, unvisited, outputs = _inspect._run(fn, recipe_or_policy, args, kwargs, on_tensor,
+  policy, unvisited, outputs = _inspect._run(fn, recipe, args, kwargs, on_tensor,
                                              recorder=make)
   rec = recorder_box[0]
   order = {"lhs": 0, "rhs": 1, "out": 2}
