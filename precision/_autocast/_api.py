@@ -196,7 +196,7 @@ def _with_fp8(spec: AutocastSpec, recipe: Recipe | None, fp8_state: bool,
         "to step, which plain autocast has nowhere to keep. Either carry it: "
         "g = precision.autocast(fn, recipe, fp8_state=True) with state = "
         "precision.fp8.init_state(fn, recipe, *args), called as "
-        "g(state, *args) -> (out, new_state) (precision.fp8.autocast_value_and_grad "
+        "g(state, *args) -> (out, new_state) (precision.value_and_grad(g) "
         "does the step); or use a stateless scaling: dataclasses.replace(recipe, "
         "fp8=precision.Fp8Config(scaling='current')) ('per_channel' and 'block' are "
         "stateless too)")
@@ -607,7 +607,7 @@ def autocast(fn: Callable, recipe: Any,
       `new_state` holds the forward operands' new amax histories, scales and counters;
       its gradient-operand fields pass `state`'s through, and their new values are the
       cotangent of `state`: differentiate with respect to `state` too and combine with
-      `precision.fp8.merge_state_grads` (`precision.fp8.autocast_value_and_grad` does
+      `precision.fp8.merge_grad_state` (``precision.value_and_grad(g)`` does
       both). Required for delayed scaling; allowed for every scaling (the state then
       records each GEMM's last amax, scale, saturation and underflow counts).
     state_outputs: which results are state, whose floating leaves keep the dtypes the
@@ -640,7 +640,7 @@ def autocast(fn: Callable, recipe: Any,
     >>> state = g.init_state(params, x, y)
     >>> (loss, new), (grads, cts) = jax.value_and_grad(g, (1, 0), has_aux=True)(
     ...     state, params, x, y)
-    >>> state = mp.fp8.merge_state_grads(new, cts)
+    >>> state = mp.fp8.merge_grad_state(new, cts)
   """
   if not callable(fn):
     raise ValueError(f"autocast: fn={fn!r}; accepted: a callable (the function to run "

@@ -57,7 +57,7 @@ its operands' own amaxes), so plain `autocast(fn, recipe)` runs them. Delayed sc
 reads an amax history: `autocast(fn, recipe, fp8_state=True)` returns
 ``g(state, *args) -> (out, new_state)`` over a dict {site key: Fp8DotState} made by
 `precision.fp8.init_state`; the gradient operand's state comes back as the cotangent of
-`state` (see `precision.fp8.merge_state_grads`).
+`state` (see `precision.fp8.merge_grad_state`).
 """
 
 from __future__ import annotations

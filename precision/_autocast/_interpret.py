@@ -366,7 +366,7 @@ def _cond(env: Env, eqn, invals, run, path: tuple):
   out_dtypes = traced_dtypes(eqn.outvars)
   # Explicit fp8 state of the sites in every branch goes into each branch and comes out
   # of each: the taken branch's sites return their new state, the others pass theirs
-  # through (and get a zero cotangent: merge_state_grads keeps their gradient state).
+  # through (and get a zero cotangent: merge_grad_state keeps their gradient state).
   keys = [key for k in range(len(p["branches"]))
           for key in _fp8.threaded_keys(env.fp8, path + (k,))]
 

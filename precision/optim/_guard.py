@@ -15,8 +15,8 @@ Unscaled gradients are detectable: the guard of a loss-scaling optimizer divides
 by the scale whatever they are, so grads computed WITHOUT multiplying the loss by it come
 out `scale` times too small (SGD stalls; Adam, scale-invariant, hides it). Reading the
 scale (`precision.optim.loss_scale_of`, which `precision.value_and_grad`,
-`precision.train_step`, `scaled_value_and_grad` and `precision.parallel` call) marks the
-calling thread; the loss-scaling update takes the mark, and warns once per process
+`precision.train_step` and `precision.parallel` call) marks the calling thread; the
+loss-scaling update takes the mark, and warns once per process
 (`UnscaledGradientsWarning`) when it is traced without one since the previous update.
 
 A non-finite LOSS with finite gradients (an f16 mean that overflowed, an inf term under
