@@ -34,14 +34,7 @@ import statistics
 import sys
 import time
 
-# ZeRO figures need 8 devices; XLA reads its flags once, before the first computation.
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
-
 import precision as mp  # noqa: E402
-
-mp.enable_faithful_rounding()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -269,7 +262,18 @@ def markdown(res: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _set_xla_flags() -> None:
+  """ZeRO figures need 8 host devices, and every bf16/f16 op rounds as stated. XLA reads
+  its flags once, when the first computation starts the backend: main() calls this first,
+  so importing the module (tests do) changes no flag."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+  mp.enable_faithful_rounding()
+
+
 def main(argv=None) -> int:
+  _set_xla_flags()
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (tests)")

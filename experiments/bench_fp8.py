@@ -66,7 +66,7 @@ def step_time(recipe_name: str, d: int, tokens: int, layers: int, reps: int) -> 
   @nnx.jit
   def step(model, opt, x):
     loss_fn = lambda m, x: jnp.mean(m(x).astype(_F32) ** 2)
-    loss, grads = mp.fp8.value_and_grad(loss_fn)(model, x)
+    loss, grads = mp.value_and_grad(loss_fn)(model, x)
     with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes int/float scalars
       opt.update(model, grads)
     return loss

@@ -32,8 +32,6 @@ import time
 
 import precision as mp
 
-mp.enable_faithful_rounding()
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -166,6 +164,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main():
+  mp.enable_faithful_rounding()  # XLA flags: set here, before the first computation
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="1 and 2 blocks, 3 repeats of 5 steps")
   res = run(quick=ap.parse_args().quick)

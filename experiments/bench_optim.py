@@ -23,8 +23,6 @@ import time
 
 import precision as mp
 
-mp.enable_faithful_rounding()
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -179,6 +177,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
 
 
 def main():
+  mp.enable_faithful_rounding()  # XLA flags: set here, before the first computation
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="1M params, 5 rounds")
   ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (15)")

@@ -17,12 +17,6 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":
-  # XLA reads the flags when the backend starts: set them before jax is imported.
-  os.environ["XLA_FLAGS"] = " ".join(
-      [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -107,6 +101,12 @@ def run(quick: bool = True) -> dict:
 
 
 def main(argv: list[str]) -> None:
+  # XLA reads its flags when the backend starts (the first computation, below): 8 host
+  # devices for the ZeRO stages.
+  os.environ["XLA_FLAGS"] = " ".join(
+      [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+  if not os.environ.get("JAX_PLATFORMS"):   # host CPU devices only (jax read the variable
+    jax.config.update("jax_platforms", "cpu")   # at import: set its config instead)
   out = run(quick="--quick" in argv)
   print(f"{out['param_count']} params on {DEVICES} host CPU devices; per-device KiB "
         "(zero_* = ZeRO paper model; sent = ring bytes one device sends per step)")

@@ -34,8 +34,6 @@ import time
 
 import precision as mp
 
-mp.enable_faithful_rounding()
-
 import jax  # noqa: E402
 
 from experiments import sweep  # noqa: E402
@@ -112,6 +110,7 @@ def table(results: dict, seed_batch: int) -> str:
 
 
 def main(argv=None) -> int:
+  mp.enable_faithful_rounding()  # XLA flags: set here, before the first computation
   ap = argparse.ArgumentParser(prog="python -m experiments.bench_study", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--tasks", default=",".join(sweep.TASKS))

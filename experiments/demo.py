@@ -10,8 +10,6 @@ import argparse
 
 import precision as mp
 
-mp.enable_faithful_rounding()
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -35,6 +33,7 @@ def forward(params, x, policy: mp.Policy):
 
 
 def main(argv=None):
+  mp.enable_faithful_rounding()  # XLA flags: set here, before the first computation
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--policy", default="p=f32,c=bf16,o=f32")
   ap.add_argument("--steps", type=int, default=50)

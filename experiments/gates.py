@@ -64,9 +64,9 @@ def _forward_backward(model: nnx.Module, tokens: np.ndarray, loss_scale: float):
       loss = mp.ops.cross_entropy(logits, tokens[:, 1:])  # f32
       return loss * jnp.asarray(loss_scale, _F32), (loss, logits.astype(_F32))
 
-    # mp.fp8.value_and_grad is nnx.value_and_grad that also carries fp8 gradient-scaling
-    # state; for models without fp8 GEMMs it is the plain one.
-    (_, (loss, logits)), grads = mp.fp8.value_and_grad(scaled, has_aux=True)(m)
+    # mp.value_and_grad without an optimizer state is nnx.value_and_grad that also carries
+    # fp8 gradient-scaling state; for models without fp8 GEMMs it is the plain one.
+    (_, (loss, logits)), grads = mp.value_and_grad(scaled, has_aux=True)(m)
     grads = jax.tree.map(lambda g: g.astype(_F32) / jnp.asarray(loss_scale, _F32), grads)
     return loss, logits, grads
 
@@ -105,7 +105,7 @@ def numeric_gate(recipe: str | mp.Recipe, model: str | gpt_lib.GPTConfig = "tiny
     # Steady state, not the first step: one forward and backward on the batch fills the
     # amax histories, as any step after the first has them (a fresh delayed-scaling state
     # quantizes with unit scales).
-    nnx.jit(lambda m, t: mp.fp8.value_and_grad(
+    nnx.jit(lambda m, t: mp.value_and_grad(
         lambda mm: mp.ops.cross_entropy(mm(t[:, :-1]), t[:, 1:]))(m)[0])(test, jnp.asarray(tokens))
   scale = recipe.loss_scale.initial_scale if recipe.loss_scale.kind != "none" else 1.0
   loss32, logits32, grads32 = _forward_backward(ref, tokens, 1.0)

@@ -48,9 +48,7 @@ import warnings
 
 import precision as mp
 
-mp.enable_faithful_rounding()  # before JAX starts: every bf16/f16 op rounds as stated
-
-from experiments import trainlib  # noqa: E402  (after the faithful-rounding switch)
+from experiments import trainlib  # noqa: E402
 from precision import checkpoint as ckpt_lib  # noqa: E402
 
 PROG = "python -m experiments.train"
@@ -282,6 +280,8 @@ def _is_device_oom(e: BaseException) -> bool:
 
 def main(argv=None) -> dict:
   """Runs the CLI; returns the summary (exits non-zero as the module docstring says)."""
+  # Before JAX starts (XLA reads its flags once): every bf16/f16 op rounds as stated.
+  mp.enable_faithful_rounding()
   cfg = parse_args(argv)
   debug = build_parser().parse_args(argv).debug
   try:

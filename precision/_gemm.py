@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax
 
 from precision import _compat
+from precision._dtypes import below_f32 as _below_f32
 
 _F32 = np.dtype(np.float32)
 
@@ -124,10 +125,6 @@ def _operand_grads(t_lhs, t_rhs, gc, lc, rc, lhs_dtype, rhs_dtype, kw):
   dl = run(lambda g_, r_: t_lhs(g_, ul, r_, **kw), gc, rc)
   dr = run(lambda g_, l_: t_rhs(g_, l_, ur, **kw), gc, lc)
   return dl, dr
-
-
-def _below_f32(dtype: np.dtype) -> bool:
-  return dtype.itemsize < _F32.itemsize
 
 
 def _accumulator(compute: np.dtype) -> np.dtype:

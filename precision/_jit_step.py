@@ -22,6 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from precision import _keypath
 from precision import _train
 
 
@@ -66,7 +67,7 @@ class _JitTrainStep:
     for path, variable in found:
       value = variable.get_raw_value()
       if not _holds_one_array(value):
-        where = "/".join(str(getattr(k, "key", k)) for k in path)
+        where = _keypath.path_str(path)
         raise ValueError(
             f"jit_train_step: the model's {type(variable).__name__} at {where!r} holds a "
             f"{type(value).__name__}; accepted: Variables holding one array each (for "

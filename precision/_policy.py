@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision._dtypes import is_float
+
 T = TypeVar("T")
 
 # Canonical short name first: str(policy) uses it.
@@ -80,16 +82,6 @@ def dtype_name(dtype: Any) -> str:
   return _DTYPE_NAMES[parse_dtype(dtype)][0]
 
 
-def _is_floating_array(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    return False
-  # PRNG key arrays have an extended dtype that is not a numpy floating type.
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    return False
-  return jnp.issubdtype(dtype, jnp.floating)
-
-
 def cast_floating(tree: T, dtype: Any) -> T:
   """Casts every floating leaf of `tree` to `dtype`; other leaves pass through untouched.
 
@@ -105,7 +97,7 @@ def cast_floating(tree: T, dtype: Any) -> T:
                      f"({_accepted_dtypes()})") from e
 
   def cast(x):
-    if _is_floating_array(x) and x.dtype != dtype:
+    if is_float(x) and x.dtype != dtype:
       if isinstance(x, jax.ShapeDtypeStruct):
         return x.update(dtype=dtype)
       return x.astype(dtype)

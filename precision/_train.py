@@ -5,7 +5,7 @@ loss MULTIPLIED BY its current loss scale: its guard divides them by the scale (
 checks they are finite, skips the step if not and adjusts the scale. `value_and_grad`
 does the multiplication (a no-op scale of 1 for recipes without loss scaling) and, for
 an NNX model, carries the fp8 gradient-operand scaling state out of the backward pass
-(`precision.fp8.value_and_grad`); `train_step` adds the update, writes the params back
+(precision._grad); `train_step` adds the update, writes the params back
 and rolls the fp8 scaling state back when the guard skipped the step. So the loop is the
 same for fp32, bf16, f16 with loss scaling and fp8:
 
@@ -17,51 +17,17 @@ same for fp32, bf16, f16 with loss scaling and fp8:
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
+from precision import _grad
 from precision import _step_core
 from precision import fp8
-from precision import optim
 from precision.flax import _nnx
 from precision.numerics import _telemetry
-
-
-def _scaled_loss(fn: Callable[..., Any], scale: jax.Array, has_aux: bool):
-  """``f(*args) -> (loss_f32 * scale, (loss_f32, aux))``, checking what `fn` returns."""
-
-  def f(*args, **kwargs):
-    out = fn(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise ValueError(f"value_and_grad(has_aux=True): fn returned {type(out).__name__}; "
-                         "accepted: a pair (scalar loss, aux)")
-      loss, aux = out
-    else:
-      loss, aux = out, None
-    if not hasattr(loss, "dtype") or np.shape(loss) != () or not jnp.issubdtype(
-        loss.dtype, jnp.floating):
-      raise ValueError(
-          f"value_and_grad: fn's loss is {getattr(loss, 'dtype', type(loss).__name__)}"
-          f"{list(np.shape(loss)) if hasattr(loss, 'shape') else ''}; accepted: a floating "
-          "scalar array (e.g. a mean over the batch)" + (
-              "; with has_aux=True, the first of (loss, aux)" if has_aux else ""))
-    # The loss is scaled in f32: an f16 or bf16 loss times 2**15 could overflow its own
-    # dtype, and f32 holds every f16/bf16 value exactly, so the unscaled loss returned is
-    # fn's own value, widened.
-    loss = loss.astype(jnp.float32)
-    # A non-finite loss with finite gradients (an overflowed f16 mean, a stop_gradient
-    # term) makes every gradient NaN here, so the optimizer's guard skips and counts the
-    # step; a finite loss passes its cotangent through by a select, bit for bit.
-    return optim.nonfinite_loss_guard(loss) * scale, (loss, aux)
-
-  return f
 
 
 def _telemetry_spec(fn, model_or_params):
@@ -87,22 +53,31 @@ def _telemetry_spec(fn, model_or_params):
   return spec, inner
 
 
-def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = False,
+def value_and_grad(fn: Callable[..., Any], opt_state: Any = None, *, has_aux: bool = False,
+                   argnums: int | Sequence[int] = 0,
                    telemetry: bool = False) -> Callable[..., Any]:
   """The loss and the gradients a recipe optimizer's ``tx.update`` expects.
 
-  Differentiates ``fn(model_or_params, *args, **kwargs) * loss_scale_of(opt_state)``
-  with respect to its first argument: the loss is cast to f32 and multiplied by the
-  optimizer's current loss scale (1 for recipes without loss scaling) before
-  differentiating, so the gradients come out SCALED, in the units the optimizer's
-  loss-scaling guard divides back out; the loss returned is unscaled.
+  The one value_and_grad of the package (loss scaling, fp8 scaling state, telemetry).
+  With `opt_state`, differentiates ``fn(model_or_params, *args, **kwargs) *
+  loss_scale_of(opt_state)``: the loss is cast to f32 and multiplied by the optimizer's
+  current loss scale (1 for recipes without loss scaling) before differentiating, so the
+  gradients come out SCALED, in the units the optimizer's loss-scaling guard divides back
+  out; the loss returned is unscaled. Without `opt_state` (None), `fn` is differentiated
+  as written (no scaling, no f32 cast: the loss is returned as `fn` returns it), with the
+  same handling of fp8 state.
 
   * An `nnx.Module` first argument is differentiated with respect to its `nnx.Param`
     (grads: an `nnx.State` matching ``nnx.state(model, nnx.Param)``), and the fp8
-    gradient-operand scaling state of its fp8 GEMMs is written into the model
-    (`precision.fp8.value_and_grad`); other model state (fp8 forward state, BatchNorm
-    statistics) updates as in a plain call.
-  * Any other first argument is a pytree of params: ``jax.value_and_grad`` w.r.t. it.
+    gradient-operand scaling state of its fp8 GEMMs is written into the model; other
+    model state (fp8 forward state, BatchNorm statistics) updates as in a plain call.
+  * `fn` an autocast function with explicit fp8 scaling state (``fn =
+    precision.autocast(loss, recipe, fp8_state=True)``, called ``fn(state, *args)``):
+    the returned function takes the state first and also returns the new state (forward
+    operands and gradient operand, `precision.fp8.merge_grad_state`); `argnums` count
+    the arguments after the state.
+  * Any other first argument is a pytree of params: ``jax.value_and_grad`` w.r.t. it
+    (w.r.t. the arguments `argnums` names).
 
   Build it inside the step, from the `opt_state` that step's ``tx.update`` receives: the
   scale is read when the returned function is called, from that state, and a state
@@ -111,8 +86,11 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
   Args:
     fn: ``fn(model_or_params, *args, **kwargs) -> loss`` (``(loss, aux)`` with
       `has_aux`), the loss a floating scalar: the mean over the batch.
-    opt_state: the optimizer state (any optax state; its loss scale is found inside).
+    opt_state: the optimizer state (any optax state; its loss scale is found inside), or
+      None: no loss scaling.
     has_aux: `fn` returns ``(loss, aux)``.
+    argnums: which positional arguments to differentiate (an int or a tuple of them;
+      grads then a tuple); 0 for an NNX model.
     telemetry: also return a `precision.numerics.TelemetryRecord` of this call: every GEMM
       operand, cotangent and result of the forward and backward pass with its statistics,
       and the logit monitors (`precision.numerics.gemm_telemetry`), computed by the same
@@ -125,52 +103,40 @@ def value_and_grad(fn: Callable[..., Any], opt_state: Any, *, has_aux: bool = Fa
 
   Returns:
     ``g(model_or_params, *args, **kwargs) -> (loss, grads)``, or ``((loss, aux), grads)``
-    with `has_aux`; `loss` f32 and unscaled, `grads` in the params' dtypes, scaled; with
-    `telemetry`, ``(loss, grads, record)``.
+    with `has_aux`; `loss` f32 and unscaled (with `opt_state`), `grads` in the params'
+    dtypes, scaled; ``g(state, *args, **kwargs) -> (loss, grads, new_state)`` for an
+    autocast function with explicit fp8 state; with `telemetry`, ``(loss, grads,
+    record)``.
 
   Examples:
     >>> loss, grads = precision.value_and_grad(loss_fn, opt_state)(model, x, y)
     >>> params = nnx.state(model, nnx.Param)
     >>> params, opt_state = precision.optim.update_and_apply(tx, grads, opt_state, params)
     >>> nnx.update(model, params)
+    >>> g = precision.autocast(loss, "fp8_hybrid", fp8_state=True)
+    >>> state = g.init_state(params, x)
+    >>> loss, grads, state = precision.value_and_grad(g, opt_state)(state, params, x)
   """
-  if not callable(fn):
-    raise ValueError(f"value_and_grad: fn={fn!r}; accepted: a callable returning the loss")
-  if not isinstance(has_aux, bool):
-    raise ValueError(f"value_and_grad: has_aux={has_aux!r}; accepted: True or False")
   if not isinstance(telemetry, bool):
     raise ValueError(f"value_and_grad: telemetry={telemetry!r}; accepted: True or False")
-  if telemetry:
-    plain = value_and_grad(fn, opt_state, has_aux=has_aux)
+  plain = _grad.value_and_grad(fn, opt_state, has_aux=has_aux, argnums=argnums)
+  if not telemetry:
+    return plain
+  if argnums != 0:
+    raise ValueError(f"value_and_grad(telemetry=True): argnums={argnums!r}; accepted: 0 "
+                     "(the model or params are the first argument)")
 
-    def with_telemetry(model_or_params, *args, **kwargs):
-      spec, inner = _telemetry_spec(fn, model_or_params)
-      traced = value_and_grad(inner, opt_state, has_aux=has_aux)
-      # The model passed is flattened and rebuilt inside the telemetry trace: its state
-      # (RNG counters, statistics) is the same for the real call below.
-      record = _telemetry.gemm_telemetry(
-          lambda m, *a: traced(m, *a, **kwargs), spec, model_or_params, *args)
-      value, grads = plain(model_or_params, *args, **kwargs)
-      return value, grads, record
+  def with_telemetry(model_or_params, *args, **kwargs):
+    spec, inner = _telemetry_spec(fn, model_or_params)
+    traced = _grad.value_and_grad(inner, opt_state, has_aux=has_aux)
+    # The model passed is flattened and rebuilt inside the telemetry trace: its state
+    # (RNG counters, statistics) is the same for the real call below.
+    record = _telemetry.gemm_telemetry(
+        lambda m, *a: traced(m, *a, **kwargs), spec, model_or_params, *args)
+    value, grads = plain(model_or_params, *args, **kwargs)
+    return value, grads, record
 
-    return with_telemetry
-
-  def wrapped(model_or_params, *args, **kwargs):
-    # Read here, at call time: `loss_scale_of` also marks this thread as having scaled
-    # the loss, which the next loss-scaling update takes (precision.optim._guard).
-    scale = optim.loss_scale_of(opt_state)
-    # Keyword arguments are bound here, never differentiated: nnx's transforms cannot map
-    # keywords of a function taking *args to positions.
-    bound = functools.partial(fn, **kwargs) if kwargs else fn
-    scaled = _scaled_loss(bound, scale, has_aux)
-    if isinstance(model_or_params, nnx.Module):
-      vg = fp8.value_and_grad(scaled, has_aux=True)
-    else:
-      vg = jax.value_and_grad(scaled, has_aux=True)
-    (_, (loss, aux)), grads = vg(model_or_params, *args)
-    return ((loss, aux) if has_aux else loss), grads
-
-  return wrapped
+  return with_telemetry
 
 
 def train_step(model: nnx.Module, tx: optax.GradientTransformation, opt_state: Any,

@@ -185,3 +185,6 @@ def swamped(weight: Any, update: Any, dtype: Any) -> np.ndarray:
   # half an ulp of any target, and the f64 rounding cannot change the final result.
   total = round_to(w.astype(np.float64) + u.astype(np.float64), dtype)
   return np.asarray(total == w) & np.asarray(u != 0)
+
+
+__all__ = ["FORMATS", "FormatInfo", "info", "round_to", "swamped", "ulp"]

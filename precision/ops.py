@@ -39,16 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision._dtypes import below_f32 as _below_f32  # narrow inputs: islands save them for backward
 from precision._gemm import policy_dot_general, policy_einsum
 
 _F32 = jnp.float32
-
-
-def _below_f32(dtype) -> bool:
-  """True for floating dtypes narrower than f32 (f16, bf16, fp8), whose islands save the
-  narrow input for backward instead of f32 intermediates."""
-  dtype = np.dtype(dtype)
-  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -334,3 +328,18 @@ def einsum(subscripts: str, *operands: jax.Array, compute_dtype: Any = None,
   if compute_dtype is None:
     compute_dtype = _common_dtype(operands, "einsum")
   return policy_einsum(subscripts, *operands, compute_dtype=compute_dtype, precision=precision)
+
+
+__all__ = [
+    "attention_probs",
+    "cross_entropy",
+    "dot_general",
+    "einsum",
+    "layer_norm",
+    "log_softmax",
+    "logsumexp",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_tables",
+    "softmax",
+]

@@ -335,7 +335,7 @@ def test_fp8_on_nnx_scan_over_layers_has_the_layer_axis_and_trains():
 
   @nnx.jit
   def step(model, opt):
-    loss, grads = mp.fp8.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    loss, grads = mp.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
     opt.update(model, grads)
     return loss
 
@@ -352,7 +352,7 @@ def test_fp8_on_nnx_scan_over_layers_has_the_layer_axis_and_trains():
 @pytest.mark.slow
 def test_fp8_on_linen_nn_scan_over_layers_has_the_layer_axis_and_trains():
   """A Linen model whose blocks are an `nn.scan` (of an `nn.remat`'d block) under
-  "fp8_hybrid" through `autocast_value_and_grad` with explicit state: the scanned GEMM is
+  "fp8_hybrid" through `precision.value_and_grad` with explicit state: the scanned GEMM is
   one site whose delayed-scaling state has the layer axis (one amax history per layer),
   its forward and both backward GEMMs lower to fp8 inside the scan, the model trains
   (finite, falling loss), and layer 0's newest lhs amax is the max |input| of that
@@ -377,7 +377,7 @@ def test_fp8_on_linen_nn_scan_over_layers_has_the_layer_axis_and_trains():
   key = sites[1].key
   assert sorted(state) == [key] and "blocks/Dense_0" in key
   assert {a.shape[0] for a in jax.tree.leaves(state)} == {n}  # the layer axis
-  vg = mp.fp8.autocast_value_and_grad(loss, "fp8_hybrid")
+  vg = mp.value_and_grad(mp.autocast(loss, "fp8_hybrid", fp8_state=True))
   with _user():
     prog = lower(vg, state, params, x, y, platform="cuda")
   scanned = sorted(g.signature() for g in prog.gemms if "blocks/Dense_0" in g.name)

@@ -43,7 +43,7 @@ def _train(recipe: str, mesh) -> list[float]:
         return loss * scale, loss
 
       m = nnx.merge(graphdef, params, rest, copy=True)
-      (_, loss), grads = mp.fp8.value_and_grad(scaled, has_aux=True)(m)
+      (_, loss), grads = mp.value_and_grad(scaled, has_aux=True)(m)
       updates, opt = tx.update(grads, opt, params)
       return mp.optim.apply_updates(params, updates), nnx.state(m, nnx.Not(nnx.Param)), opt, loss
 

@@ -361,7 +361,7 @@ def _train(recipe_name: str, steps: int, batches):
 
   @nnx.jit
   def step(model, opt, batch):
-    loss, grads = mp.fp8.value_and_grad(_lm_loss)(model, batch)
+    loss, grads = mp.value_and_grad(_lm_loss)(model, batch)
     with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes int/float scalars
       opt.update(model, grads)
     return loss, mp.fp8.fp8_metrics(model)
@@ -466,7 +466,7 @@ def test_sync_fp8_state_agrees_across_ranks():
                      out_specs=(P("data"), P("data")), check_vma=False)
   def step(params, fp8_state, x):
     model = nnx.merge(graphdef, params, fp8_state)
-    _, grads = mp.fp8.value_and_grad(lambda m, x: jnp.sum(m(x[0]).astype(F32) ** 2))(model, x)
+    _, grads = mp.value_and_grad(lambda m, x: jnp.sum(m(x[0]).astype(F32) ** 2))(model, x)
     local = nnx.state(model, mp.fp8.Fp8State)
     synced = mp.fp8.sync_fp8_state(local, "data")
     pick = lambda s: jnp.stack([s["dot_general"]["lhs_amax_history"][...][0],
@@ -507,7 +507,7 @@ def test_linen_collections_and_grad_state_merge():
       return jnp.sum(out ** 2), upd
     (l, upd), (gp, gg) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
         v["params"], v[mp.fp8.GRAD_COLLECTION])
-    merged = mp.fp8.merge_fp8_grad_state(v[mp.fp8.GRAD_COLLECTION], gg)
+    merged = mp.fp8.merge_grad_state(v[mp.fp8.GRAD_COLLECTION], gg)
     return {**v, **upd, mp.fp8.GRAD_COLLECTION: merged}
 
   v1 = step(v)
@@ -602,7 +602,7 @@ def test_tied_recurrent_gemm_combines_grad_state_by_max(mode):
   x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 8)), F32)
   loss = lambda h: jnp.sum(h * h)
   tied = _fp8_linear()
-  nnx.jit(lambda m, x: mp.fp8.value_and_grad(lambda m, x: loss(_recur(m, x, 3, mode)))(m, x))(
+  nnx.jit(lambda m, x: mp.value_and_grad(lambda m, x: loss(_recur(m, x, 3, mode)))(m, x))(
       tied, x)
   copies = [_fp8_linear() for _ in range(3)]  # same kernel (seed), same fresh state
 
@@ -613,14 +613,14 @@ def test_tied_recurrent_gemm_combines_grad_state_by_max(mode):
       for m in models:
         h = jnp.tanh(m(h))
       return loss(h)
-    return mp.fp8.value_and_grad(f)(nnx.List([a, b, c]), x)
+    return mp.value_and_grad(f)(nnx.List([a, b, c]), x)
 
   untied_step(*copies, x)
   want = _combined([_grad_state(m) for m in copies])
   assert len({float(_grad_state(m)["amax_history"][0]) for m in copies}) == 3  # uses differ
   _assert_grad_state_equal(_grad_state(tied), want)
   # Next steps on the same data: the amax stays put instead of tripling each step.
-  step = nnx.jit(lambda m, x: mp.fp8.value_and_grad(
+  step = nnx.jit(lambda m, x: mp.value_and_grad(
       lambda m, x: loss(_recur(m, x, 3, mode)))(m, x))
   for _ in range(2):
     step(tied, x)
@@ -656,8 +656,8 @@ def test_microbatch_accumulation_matches_one_concatenated_batch(grad_scaling, lo
     return acc
 
   micro, whole = _fp8_linear(grad_scaling), _fp8_linear(grad_scaling)
-  step = nnx.jit(lambda m, xs, cs: mp.fp8.value_and_grad(accumulate)(m, xs, cs))
-  full = nnx.jit(lambda m, x, c: mp.fp8.value_and_grad(lambda m, x, c: jnp.sum(m(x) * c))(
+  step = nnx.jit(lambda m, xs, cs: mp.value_and_grad(accumulate)(m, xs, cs))
+  full = nnx.jit(lambda m, x, c: mp.value_and_grad(lambda m, x, c: jnp.sum(m(x) * c))(
       m, x, c))
   for _ in range(3):  # the delayed scale takes effect from the second step on
     step(micro, xs, cs)
@@ -691,7 +691,7 @@ def test_linen_shared_gemm_combines_grad_state_by_max():
                          mutable=[mp.fp8.STATE_COLLECTION])
       return jnp.sum(out ** 2)
     g = jax.jit(jax.grad(loss, argnums=1))(v["params"], v[mp.fp8.GRAD_COLLECTION])
-    return mp.fp8.merge_fp8_grad_state(v[mp.fp8.GRAD_COLLECTION], g)
+    return mp.fp8.merge_grad_state(v[mp.fp8.GRAD_COLLECTION], g)
 
   tied, untied = Net(True), Net(False)
   vt = tied.init(jax.random.key(0), x)
@@ -794,7 +794,7 @@ def test_two_calls_from_one_state_raise_naming_the_layer():
     return jnp.sum(m(x) ** 2) + jnp.sum(copy(x) ** 2)
 
   with pytest.raises(ValueError, match="fp8 GEMM 'layers/0': two calls read the same"):
-    nnx.jit(lambda m, x: mp.fp8.value_and_grad(forked)(m, x))(model, x)
+    nnx.jit(lambda m, x: mp.value_and_grad(forked)(m, x))(model, x)
 
 
 # ------------------------------------------------------------------- non-finite amaxes
@@ -867,7 +867,7 @@ def test_rollback_fp8_state_with_guard():
   def step(params, state, opt_state, poison):
     before = jax.tree.map(lambda v: v, state)
     m = nnx.merge(graphdef, params, state)
-    _, grads = mp.fp8.value_and_grad(
+    _, grads = mp.value_and_grad(
         lambda m: jnp.sum(m(x).astype(F32) ** 2) * poison)(m)
     updates, new_opt = tx.update(grads, opt_state, params)
     skipped = mp.optim.step_skipped(opt_state, new_opt)

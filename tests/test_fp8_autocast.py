@@ -316,7 +316,7 @@ def test_convolutions_and_loops():
   assert mp.fp8.autocast_gemms(with_cond, CURRENT, x)[1].fp8
   # Delayed: the branch's GEMM has state; it moves when the branch runs, else stays.
   assert [s.fp8 for s in mp.fp8.autocast_gemms(with_cond, delayed, x)] == [False, True, False]
-  vg = jax.jit(mp.fp8.autocast_value_and_grad(with_cond, delayed))
+  vg = jax.jit(mp.value_and_grad(mp.autocast(with_cond, delayed, fp8_state=True)))
   state = mp.fp8.init_state(with_cond, delayed, x)
   _, _, taken = vg(state, x)
   _, _, skipped = vg(state, -x)
@@ -444,7 +444,7 @@ def test_delayed_scaling_with_explicit_state():
   assert state["1"].lhs.amax_history.shape == (4,)
   g = mp.autocast(mlp_loss, recipe, fp8_state=True)
   assert jax.tree.map(jnp.shape, g.init_state(params, x, y)) == jax.tree.map(jnp.shape, state)
-  vg = jax.jit(mp.fp8.autocast_value_and_grad(mlp_loss, recipe))
+  vg = jax.jit(mp.value_and_grad(mp.autocast(mlp_loss, recipe, fp8_state=True)))
   ref_vg = jax.jit(jax.value_and_grad(
       lambda p, s: _ref_with_state(p, s, x, y, spec), argnums=(0, 1), has_aux=True))
   ref_state = state
@@ -499,7 +499,7 @@ def test_delayed_state_per_scan_iteration_and_through_remat():
     h, new = jax.lax.scan(layer, bf16(x, w_in).astype(jnp.float32), (ws, st["1"]))
     return jnp.mean((bf16(h, w_out).astype(jnp.float32) - y) ** 2), {"1": new}
 
-  vg = jax.jit(mp.fp8.autocast_value_and_grad(loss, recipe))
+  vg = jax.jit(mp.value_and_grad(mp.autocast(loss, recipe, fp8_state=True)))
   ref_vg = jax.jit(jax.value_and_grad(ref, argnums=(0, 1), has_aux=True))
   ref_state = state
   for _ in range(3):
@@ -548,7 +548,8 @@ def test_delayed_state_for_linen_scan_over_remat_blocks():
       ("2:_ScannedLinen/head", False)]
   state = mp.fp8.init_state(loss, "fp8_hybrid", variables, x, y)
   assert state["1:_ScannedLinen/blocks/fc"].rhs.amax_history.shape == (3, 1024)
-  value, grads, state = jax.jit(mp.fp8.autocast_value_and_grad(loss, "fp8_hybrid"))(
+  value, grads, state = jax.jit(mp.value_and_grad(
+      mp.autocast(loss, "fp8_hybrid", fp8_state=True)))(
       state, variables, x, y)
   st = state["1:_ScannedLinen/blocks/fc"]
   assert np.isfinite(float(value)) and np.all(np.asarray(st.grad.amax_history[:, 0]) > 0)
@@ -559,7 +560,7 @@ def test_delayed_state_for_linen_scan_over_remat_blocks():
 
 def test_delayed_scaling_trains_and_state_survives_jit():
   params, (x, y) = _params(), _data(n=16)
-  vg = jax.jit(mp.fp8.autocast_value_and_grad(mlp_loss, "fp8_hybrid"))
+  vg = jax.jit(mp.value_and_grad(mp.autocast(mlp_loss, "fp8_hybrid", fp8_state=True)))
   state = mp.fp8.init_state(mlp_loss, "fp8_hybrid", params, x, y)
   losses = []
   for _ in range(20):
@@ -580,7 +581,7 @@ def test_fp8_state_under_plain_jax_value_and_grad():
   state = g.init_state(params, x, y)
   (value, new), (grads, cts) = jax.jit(jax.value_and_grad(g, (1, 0), has_aux=True))(
       state, params, x, y)
-  merged = mp.fp8.merge_state_grads(new, cts)
+  merged = mp.fp8.merge_grad_state(new, cts)
   assert float(merged["1"].grad.amax_history[0]) > 0
   # A skipped step's state rolls back bit for bit (a plain pytree).
   _close(mp.fp8.rollback_fp8_state(merged, state, jnp.bool_(True)), state, 0.0)
@@ -590,11 +591,12 @@ def test_fp8_state_under_plain_jax_value_and_grad():
   assert float(fwd_only["1"].lhs.amax_history[0]) > 0
   assert float(fwd_only["1"].grad.amax_history[0]) == 0
   zero = jax.tree.map(jnp.zeros_like, cts)
-  kept = mp.fp8.merge_state_grads(fwd_only, zero)
+  kept = mp.fp8.merge_grad_state(fwd_only, zero)
   assert float(kept["1"].grad.scale) == float(state["1"].grad.scale)
   # The helper with aux and several argnums: the same numbers.
   with_aux = lambda p, x, y: (mlp_loss(p, x, y), jnp.sum(x))
-  vg = jax.jit(mp.fp8.autocast_value_and_grad(with_aux, recipe, argnums=(0, 1), has_aux=True))
+  vg = jax.jit(mp.value_and_grad(mp.autocast(with_aux, recipe, fp8_state=True), argnums=(0, 1),
+                                 has_aux=True))
   (value2, aux), (grads2, gx), merged2 = vg(state, params, x, y)
   np.testing.assert_allclose(value2, value, rtol=1e-6)
   np.testing.assert_allclose(aux, jnp.sum(x), rtol=1e-6)
@@ -631,9 +633,9 @@ def test_errors_name_the_bad_value_and_the_fix():
                                        r"accepted: \(1024,\)"):
     g(short, params, x, y)
   with pytest.raises(ValueError, match="same keys"):
-    mp.fp8.merge_state_grads(state, {"1": state["1"]})
+    mp.fp8.merge_grad_state(state, {"1": state["1"]})
   with pytest.raises(ValueError, match="argnums=-1"):
-    mp.fp8.autocast_value_and_grad(mlp_loss, "fp8_hybrid", argnums=-1)
+    mp.value_and_grad(mp.autocast(mlp_loss, "fp8_hybrid", fp8_state=True), argnums=-1)
   with pytest.raises(ValueError, match="recipe=None"):
     mp.fp8.init_state(mlp_loss, None, params, x, y)
 
@@ -645,7 +647,7 @@ def test_cuda_lowering_has_fp8_dots():
   """The program a GPU would run: E4M3 x E4M3 forward GEMMs and E5M2 gradient GEMMs for
   the middle layers only; bf16 x bf16 -> f32 for the first and last."""
   params, (x, y) = _params(), _data()
-  step = jax.jit(mp.fp8.autocast_value_and_grad(mlp_loss, "fp8_hybrid"))
+  step = jax.jit(mp.value_and_grad(mp.autocast(mlp_loss, "fp8_hybrid", fp8_state=True)))
   state = mp.fp8.init_state(mlp_loss, "fp8_hybrid", params, x, y)
   prog = lower(step, state, params, x, y, platform="cuda")
   sigs = {}

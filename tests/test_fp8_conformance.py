@@ -105,7 +105,7 @@ def _step(model, recipe):
   """(the jitted fp8 training step, its initial fp8 state, the GEMM sites)."""
   case, r = _case(model), RECIPES[recipe]
   with _zoo.user_code():
-    vg = jax.jit(mp.fp8.autocast_value_and_grad(case.loss, r))
+    vg = jax.jit(mp.value_and_grad(mp.autocast(case.loss, r, fp8_state=True)))
     state = mp.fp8.init_state(case.loss, r, case.params, *case.args)
     sites = mp.fp8.autocast_gemms(case.loss, r, case.params, *case.args, fp8_state=True)
   return vg, state, tuple(sites)

@@ -207,7 +207,7 @@ def test_f16_model_tiny_scale_with_injected_overflows():
     return jnp.mean(jnp.square(out.astype(jnp.float32) - y))  # loss in f32
 
   tx = po.build_optimizer(recipe, optax.adam(1e-2))
-  grad_fn = po.scaled_value_and_grad(loss_fn)
+  grad_fn = lambda state, params, x, y: precision.value_and_grad(loss_fn, state)(params, x, y)
   inject = {7: np.inf, 19: np.nan, 33: -np.inf}
 
   @jax.jit

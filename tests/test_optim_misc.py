@@ -142,6 +142,7 @@ def test_skip_nonfinite_counts_and_host_check_raises():
 
 
 def test_scaled_value_and_grad():
+  """The deprecated alias of precision.value_and_grad(loss_fn, opt_state) still works."""
   params = {"w": jnp.asarray([1.0, -2.0], jnp.float32)}
   tx = po.loss_scaling(optax.sgd(1.0), po.StaticLossScale(1024.0))
   state = tx.init(params)

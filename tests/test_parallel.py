@@ -492,7 +492,7 @@ def test_fp8_state_synchronised_in_every_stage(mesh):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   recipe, model, params, fp8_state, loss, batch = _fp8_setup()
-  # Reference: one device, the global batch, precision.fp8.value_and_grad (data_parallel
+  # Reference: one device, the global batch, precision.value_and_grad (data_parallel
   # hands loss_fn the params in their param dtype, f32 here: so does the reference).
   # Stage 3 moves params in the compute dtype: its reference runs on the bf16-rounded
   # params (handed to loss_fn in f32, as stage 3 does).
@@ -501,7 +501,7 @@ def test_fp8_state_synchronised_in_every_stage(mesh):
     if round_params:
       p = nnx.state(ref, nnx.Param)
       nnx.update(ref, jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), p))
-    mp.fp8.value_and_grad(lambda m: loss(nnx.state(m, nnx.Param),
+    mp.value_and_grad(lambda m: loss(nnx.state(m, nnx.Param),
                                          nnx.state(m, mp.fp8.Fp8State), batch)[0])(ref)
     return nnx.state(ref, mp.fp8.Fp8State)
 

@@ -224,11 +224,10 @@ def test_scaling_by_hand_and_the_projects_paths_do_not_warn(data, fresh_warning)
     scale = mp.optim.loss_scale_of(opt_state)
     _, grads = nnx.value_and_grad(lambda m: loss_fn(m, x, y) * scale)(model)
     tx.update(grads, opt_state, params)
-    # precision.optim.scaled_value_and_grad on a params pytree.
+    # precision.value_and_grad on a params pytree.
     pt = {"w": jnp.ones((8, 4), jnp.float32)}
     pt_state = tx.init(pt)
-    _, g = mp.optim.scaled_value_and_grad(
-        lambda p: jnp.mean(jnp.square(x @ p["w"] - y)))(pt_state, pt)
+    _, g = mp.value_and_grad(lambda p: jnp.mean(jnp.square(x @ p["w"] - y)), pt_state)(pt)
     tx.update(g, pt_state, pt)
     # precision.parallel on 8 devices, stage 1.
     mesh = jax.make_mesh((8,), ("data",))

@@ -5,7 +5,7 @@ Examples:
   >>> fast_loss = mp.autocast(loss_fn, "p=f32,c=bf16,o=f32")   # same signature
   >>> loss, grads = jax.value_and_grad(fast_loss)(params, batch)
   >>> print(mp.audit.audit(jax.grad(fast_loss), params, batch))     # what each op computes in
-  >>> vg = mp.fp8.autocast_value_and_grad(loss_fn, "fp8_hybrid")  # fp8 GEMMs, any function
+  >>> vg = mp.value_and_grad(mp.autocast(loss_fn, "fp8_hybrid", fp8_state=True))  # fp8
   >>> loss, grads, fp8_state = vg(mp.fp8.init_state(loss_fn, "fp8_hybrid", params, batch),
   ...                             params, batch)
 """

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision import _deprecation
 from precision import _fp32_ops
 from precision import _trace_state
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
@@ -196,7 +197,7 @@ def _with_fp8(spec: AutocastSpec, plan: Any, fp8_state: bool,
         "to step, which plain autocast has nowhere to keep. Either carry it: "
         "g = precision.autocast(fn, recipe, fp8_state=True) with state = "
         "precision.fp8.init_state(fn, recipe, *args), called as "
-        "g(state, *args) -> (out, new_state) (precision.fp8.autocast_value_and_grad "
+        "g(state, *args) -> (out, new_state) (precision.value_and_grad(g) "
         "does the step); or use a stateless scaling: dataclasses.replace(recipe, "
         "fp8=precision.Fp8Config(scaling='current')) ('per_channel' and 'block' are "
         "stateless too)")
@@ -527,7 +528,8 @@ def _results(traced: Traced, spec: AutocastSpec, state: tuple[int, ...] | None,
   return out._make(items) if hasattr(out, "_make") else type(out)(items)
 
 
-def autocast(fn: Callable, policy: Any,
+@_deprecation.renamed_keyword("policy", "recipe", "precision.autocast")
+def autocast(fn: Callable, recipe: Any,
              overrides: Mapping[Any, Any] | None = None, *,
              fp32_ops=None, fp8_state: bool = False,
              state_outputs: int | tuple[int, ...] | None = None) -> Callable:
@@ -585,7 +587,7 @@ def autocast(fn: Callable, policy: Any,
     fn: any JAX-traceable function. Arguments that are arrays are traced; NNX modules
       are split and their state written back after the call; other arguments (Python
       numbers, strings, flags) are static.
-    policy: Policy, policy string ("p=f32,c=bf16,o=f32"), Recipe, preset name, or a
+    recipe: Policy, policy string ("p=f32,c=bf16,o=f32"), Recipe, preset name, or a
       Plan (`precision.bind(recipe, overrides=...)`, which then brings the overrides
       and fp32_ops: pass neither besides).
     overrides: {pattern or module type: policy}: fnmatch patterns on the scope an op was
@@ -606,7 +608,7 @@ def autocast(fn: Callable, policy: Any,
       `new_state` holds the forward operands' new amax histories, scales and counters;
       its gradient-operand fields pass `state`'s through, and their new values are the
       cotangent of `state`: differentiate with respect to `state` too and combine with
-      `precision.fp8.merge_state_grads` (`precision.fp8.autocast_value_and_grad` does
+      `precision.fp8.merge_grad_state` (``precision.value_and_grad(g)`` does
       both). Required for delayed scaling; allowed for every scaling (the state then
       records each GEMM's last amax, scale, saturation and underflow counts).
     state_outputs: which results are state, whose floating leaves keep the dtypes the
@@ -639,12 +641,12 @@ def autocast(fn: Callable, policy: Any,
     >>> state = g.init_state(params, x, y)
     >>> (loss, new), (grads, cts) = jax.value_and_grad(g, (1, 0), has_aux=True)(
     ...     state, params, x, y)
-    >>> state = mp.fp8.merge_state_grads(new, cts)
+    >>> state = mp.fp8.merge_grad_state(new, cts)
   """
   if not callable(fn):
     raise ValueError(f"autocast: fn={fn!r}; accepted: a callable (the function to run "
                      "under the policy)")
-  spec = AutocastSpec.make(policy, overrides, fp32_ops, fp8_state=fp8_state)
+  spec = AutocastSpec.make(recipe, overrides, fp32_ops, fp8_state=fp8_state)
   _refuse_f64_without_x64(spec)
   state = _state_positions(state_outputs)
 

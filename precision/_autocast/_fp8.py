@@ -57,7 +57,7 @@ its operands' own amaxes), so plain `autocast(fn, recipe)` runs them. Delayed sc
 reads an amax history: `autocast(fn, recipe, fp8_state=True)` returns
 ``g(state, *args) -> (out, new_state)`` over a dict {site key: Fp8DotState} made by
 `precision.fp8.init_state`; the gradient operand's state comes back as the cotangent of
-`state` (see `precision.fp8.merge_state_grads`).
+`state` (see `precision.fp8.merge_grad_state`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import numpy as np
 
+from precision import _dtypes
 from precision._autocast import _overrides
 from precision._autocast import _rules as R
 
@@ -157,7 +158,7 @@ def is_candidate(eqn) -> bool:
   if eqn.primitive.name != "dot_general" and not is_grouped(eqn):
     return False
   dts = [R.as_dtype(v.aval.dtype) for v in eqn.invars[:2]]
-  return all(R.is_float(d) and not R.is_fp8(d) for d in dts)
+  return all(_dtypes.is_float(d) and not R.is_fp8(d) for d in dts)
 
 
 def has_gemm(eqn, memo: dict) -> bool:
@@ -350,7 +351,7 @@ def _non_float_gemms(jaxpr, out: list, seen: set) -> list:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       dts = [R.as_dtype(v.aval.dtype) for v in eqn.invars[:2]]
-      if not all(R.is_float(d) for d in dts):
+      if not all(_dtypes.is_float(d) for d in dts):
         out.append(f"{dts[0].name} x {dts[1].name} -> "
                    f"{R.as_dtype(eqn.outvars[0].aval.dtype).name}")
     for value in eqn.params.values():

@@ -20,6 +20,7 @@ from jax import lax
 from precision import _compat
 from precision._policy import Policy
 from precision._autocast import _fp8
+from precision import _dtypes
 from precision._autocast import _overrides
 from precision._autocast import _regions
 from precision._autocast import _router
@@ -91,7 +92,7 @@ def _read(env_vals: dict, v) -> Any:
   if isinstance(v, jax.extend.core.Literal):
     val = v.val
     dt = getattr(v.aval, "dtype", None)
-    return np.asarray(val, dt) if dt is not None and R.is_float(dt) else val
+    return np.asarray(val, dt) if dt is not None and _dtypes.is_float(dt) else val
   return env_vals[v]
 
 
@@ -144,7 +145,7 @@ def _eval_eqn(env: Env, eqn, vals: dict, prefix: str, path: tuple) -> None:
 
 def _below_f32_at(env: Env, eqn, prefix: str) -> bool:
   scope = env.local(R.scope_of(_join(prefix, str(eqn.source_info.name_stack)))[0])
-  return R.below_f32(env.policy_at(scope).compute_dtype)
+  return _dtypes.below_f32(env.policy_at(scope).compute_dtype)
 
 
 def _eval_region(env: Env, eqns, region, vals: dict, prefix: str, path: tuple) -> None:
@@ -173,7 +174,7 @@ def traced_dtypes(variables) -> list:
 
 def cast_all(xs, dtypes) -> list:
   """Each floating value of `xs` cast to its floating entry of `dtypes`; others as they are."""
-  return [R.cast(x, d) if R.is_float(d) and R.is_float(R.dtype_of(x)) else x
+  return [R.cast(x, d) if _dtypes.is_float(d) and _dtypes.is_float(R.dtype_of(x)) else x
           for x, d in zip(xs, dtypes)]
 
 
@@ -222,7 +223,7 @@ def _apply(env: Env, eqn, invals, prefix: str, scope: str, backward: bool, path:
   if name in env.fp32_primitives and R.f32_plan(dts):
     if R.as_written(env.policy_at(scope).compute_dtype):
       return _verbatim(eqn, invals)  # f32 compute: the code's own narrow ops as written
-    ups = [R.cast(x, _F32) if R.below_f32(d) else x for x, d in zip(invals, dts)]
+    ups = [R.cast(x, _F32) if _dtypes.below_f32(d) else x for x, d in zip(invals, dts)]
     return _compat.bind_eqn(eqn, ups)
   if name in R.CONTAINERS:
     return _container(env, eqn, invals, prefix, path)
@@ -282,7 +283,7 @@ def _repeats_narrow(var, x, out_shape) -> bool:
   """`x` (the value of `var`, not a literal) is below f32 and repeated to `out_shape`: its
   gradient is a sum over the repeated elements (the code's own bf16 bias added to a GEMM
   result, a bf16 param broadcast over the batch)."""
-  return (not isinstance(var, jax.extend.core.Literal) and R.below_f32(R.dtype_of(x))
+  return (not isinstance(var, jax.extend.core.Literal) and _dtypes.below_f32(R.dtype_of(x))
           and tuple(np.shape(x)) != tuple(out_shape))
 
 
@@ -395,7 +396,7 @@ def _cond(env: Env, eqn, invals, run, path: tuple):
   out_dtypes = traced_dtypes(eqn.outvars)
   # Explicit fp8 state of the sites in every branch goes into each branch and comes out
   # of each: the taken branch's sites return their new state, the others pass theirs
-  # through (and get a zero cotangent: merge_state_grads keeps their gradient state).
+  # through (and get a zero cotangent: merge_grad_state keeps their gradient state).
   keys = [key for k in range(len(p["branches"]))
           for key in _fp8.threaded_keys(env.fp8, path + (k,))]
 
@@ -469,7 +470,7 @@ def _custom_jvp(env: Env, eqn, invals, prefix: str, path: tuple):
   """A custom_jvp call rebuilt around the policy: primal and JVP rule both evaluated by the
   interpreter; tangents returned in the primal outputs' dtypes. Integer operands keep the
   call as written."""
-  if not all(R.is_float(R.dtype_of(x)) for x in invals):
+  if not all(_dtypes.is_float(R.dtype_of(x)) for x in invals):
     return _verbatim(eqn, invals)
   call = eqn.params["call_jaxpr"]
   n_out = len(eqn.outvars)

@@ -205,10 +205,6 @@ def key_name(key: str | type) -> str:
   return repr(key) if isinstance(key, str) else key.__name__
 
 
-def path_str(path: Iterable[Any]) -> str:
-  return "/".join(str(p) for p in path)
-
-
 def scope_prefixes(scope: str) -> list[str]:
   """"a/b/c" -> ["a/b/c", "a/b", "a"] (deepest first); "" -> []."""
   parts = [p for p in scope.split("/") if p]

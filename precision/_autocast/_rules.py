@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision import _gemm
+from precision._dtypes import below_f32, is_float
 
 _F32 = np.dtype(np.float32)
 
@@ -101,18 +102,6 @@ def as_dtype(d: Any):
 
 def dtype_of(x: Any):
   return as_dtype(x.dtype)
-
-
-def is_float(dtype: Any) -> bool:
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:  # extended dtypes (PRNG keys)
-    return False
-  return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
-def below_f32(dtype: Any) -> bool:
-  return is_float(dtype) and np.dtype(dtype).itemsize < 4
 
 
 def is_fp8(dtype: Any) -> bool:

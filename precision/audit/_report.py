@@ -11,22 +11,14 @@ import numpy as np
 
 from precision import _plan
 from precision._autocast import _overrides
+from precision._dtypes import below_f32 as _below_f32
+from precision._dtypes import is_float as _is_float
 from precision._policy import Policy
 from precision.audit import _format
 from precision.audit._format import short_dtype as _short
 from precision.audit._walk import ConvertRecord, GemmRecord, OpRecord
 
 _F32 = np.dtype(np.float32)
-
-
-def _below_f32(name: str) -> bool:
-  dt = np.dtype(name)
-  return np.issubdtype(dt, np.floating) and dt.itemsize < _F32.itemsize or name.startswith(
-      "float8") or name == "bfloat16"
-
-
-def _is_float(name: str) -> bool:
-  return name.startswith("float") or name == "bfloat16"
 
 
 class PrecisionViolation(ValueError):

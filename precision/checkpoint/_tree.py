@@ -7,14 +7,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from precision._keypath import key_name as _key_name
 from precision.checkpoint._errors import CheckpointMismatchError  # noqa: F401  (re-export)
-
-
-def _key_name(k: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
 
 
 def leaf_path(path: tuple) -> str:

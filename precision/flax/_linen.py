@@ -30,6 +30,7 @@ from flax.core import lift
 from precision import _trace_state
 from precision._policy import Policy, cast_floating
 from precision._autocast import _api
+from precision import _keypath
 from precision._autocast import _overrides
 
 
@@ -45,7 +46,7 @@ def _cast_params(variables: Any, spec: _api.AutocastSpec, matched: set) -> Any:
   groups) rounded to the param dtype of its module path's policy."""
 
   def cast(path, leaf):
-    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    names = [_keypath.key_name(k) for k in path]
     if "params" not in names:
       return leaf
     names = names[names.index("params") + 1:-1]
@@ -139,7 +140,7 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Policy | str] | None = Non
     if _api.tracing() or path or context.method_name == "setup":
       trace = _trace_state.LINEN.get()
       if _api.tracing() and path and trace is not None:
-        trace.module_at.setdefault(_overrides.path_str(path), module)
+        trace.module_at.setdefault(_keypath.path_str(path), module)
       return next_fun(*args, **kwargs)
     method = context.orig_method  # functools.partial(function, module) in Flax
     method = method.func if isinstance(method, functools.partial) else method

@@ -36,9 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from precision import _dtypes
 from precision import _intercept
 from precision._policy import Policy, cast_floating
 from precision._autocast import _api
+from precision import _keypath
 from precision._autocast import _overrides
 from precision.flax import _scopes
 
@@ -51,8 +53,7 @@ _LOCK = threading.Lock()
 
 def _cast_variable(var: nnx.Variable, dtype: np.dtype) -> None:
   value = var.get_value()
-  if (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
-      and value.dtype != dtype):
+  if _dtypes.is_float(value) and value.dtype != dtype:
     var.set_value(value.astype(dtype))
 
 
@@ -180,10 +181,10 @@ def _match_paths(module: nnx.Module, spec: _api.AutocastSpec) -> tuple[dict, set
   matched: set = set()
   out: dict[tuple, Policy] = {}
   for path, node in modules.items():
-    at = {_overrides.path_str(path[:i]): modules.get(path[:i])
+    at = {_keypath.path_str(path[:i]): modules.get(path[:i])
           for i in range(1, len(path) + 1)}
     # Params take the forward policy's dtype; a backward-only rule still matches a path.
-    rule, back = (_overrides.match_scope(spec.rules, _overrides.path_str(path), at, d)
+    rule, back = (_overrides.match_scope(spec.rules, _keypath.path_str(path), at, d)
                   for d in _overrides.DIRECTIONS)
     matched.update(r.key for r in (rule, back) if r is not None)
     out[path] = spec.policy if rule is None else rule.policy
@@ -198,7 +199,7 @@ def policy_paths(module: nnx.Module, spec: _api.AutocastSpec) -> dict[tuple, Pol
   out, matched, modules = _match_paths(module, spec)
   types = [r for r in spec.rules if not isinstance(r.key, str)]
   _overrides.check_all_matched(types, matched,
-                               [_overrides.path_str(p) for p in modules if p])
+                               [_keypath.path_str(p) for p in modules if p])
   return out
 
 
@@ -221,7 +222,7 @@ def _warn_unmatched(module: nnx.Module, spec: _api.AutocastSpec) -> None:
   unmatched = scope_patterns(module, spec)
   if not unmatched:
     return
-  modules = {_overrides.path_str(p): n for p, n in nnx.iter_graph(module)
+  modules = {_keypath.path_str(p): n for p, n in nnx.iter_graph(module)
              if p and isinstance(n, nnx.Module)}
   counts = _overrides.match_counts(spec.rules, modules, modules)
   warnings.warn(_overrides.UnmatchedOverrideWarning(_overrides.unmatched_message(

@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 
 from precision import _intercept
+from precision import _keypath
 from precision import _trace_state
 
 METHODS = ("__call__", "attend")
@@ -55,7 +56,7 @@ def _open_scope(module, call, args, kwargs):
     return call(*args, **kwargs)
   parent_path = state.paths.get(id(state.stack[-1][0]), ()) if state.stack else ()
   relative = path[len(parent_path):] if path[:len(parent_path)] == parent_path else path
-  name = "/".join(str(p) for p in relative)
+  name = _keypath.path_str(relative)
   outer = state.stack[-1][1] if state.stack else ""
   scope = "/".join(s for s in (outer, name) if s)
   if scope:

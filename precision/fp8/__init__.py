@@ -3,12 +3,13 @@
 An fp8 `dot_general` with a custom VJP (forward operands in E4M3, the incoming gradient in
 E5M2, every GEMM on fp8 operands with f32 accumulation), its scaling recipes, the scaling
 state as NNX Variables (`Fp8State`, `Fp8GradState`) or Linen collections, `apply_fp8` to
-route a model's Linear/Einsum GEMMs through it, `value_and_grad` to carry the gradient
-operand's state out of a step, `rollback_fp8_state` to undo a step the optimizer guard
-skipped, `fp8_metrics` and `sync_fp8_state`. For any JAX function (plain JAX, Linen applied
-inside a function, other libraries): `precision.autocast(fn, recipe)` with an fp8
-recipe, `init_state` / `merge_state_grads` / `autocast_value_and_grad` for the scaling
-state of delayed scaling, `autocast_gemms` for which GEMMs run in fp8.
+route a model's Linear/Einsum GEMMs through it (`precision.value_and_grad` carries the
+gradient operand's state out of a step, `merge_grad_state` merges it),
+`rollback_fp8_state` to undo a step the optimizer guard skipped, `fp8_metrics` and
+`sync_fp8_state`. For any JAX function (plain JAX, Linen applied inside a function, other
+libraries): `precision.autocast(fn, recipe)` with an fp8
+recipe, `init_state` (and `precision.value_and_grad` of the autocast function) for the
+scaling state of delayed scaling, `autocast_gemms` for which GEMMs run in fp8.
 
 Examples:
   >>> import jax.numpy as jnp, precision as mp
@@ -23,9 +24,7 @@ Examples:
 
 from precision.fp8._autocast import GemmSite
 from precision.fp8._autocast import autocast_gemms
-from precision.fp8._autocast import autocast_value_and_grad
 from precision.fp8._autocast import init_state
-from precision.fp8._autocast import merge_state_grads
 from precision.fp8._dot import Fp8DotState
 from precision.fp8._dot import Fp8Spec
 from precision.fp8._dot import fp8_dot_general
@@ -33,7 +32,6 @@ from precision.fp8._dot import scaled_matmul
 from precision.fp8._linen import GRAD_COLLECTION
 from precision.fp8._linen import STATE_COLLECTION
 from precision.fp8._linen import LinenFp8DotGeneral
-from precision.fp8._linen import merge_fp8_grad_state
 from precision.fp8._metrics import fp8_metrics
 from precision.fp8._microscale import expand_tile_scales
 from precision.fp8._microscale import hadamard_matrix
@@ -51,14 +49,18 @@ from precision.fp8._nnx import Fp8State
 from precision.fp8._nnx import apply_fp8
 from precision.fp8._nnx import einsum_dimension_numbers
 from precision.fp8._nnx import fp8_modules
-from precision.fp8._nnx import merge_grad_state
 from precision.fp8._nnx import rollback_fp8_state
-from precision.fp8._nnx import update_fp8_grad_state
-from precision.fp8._nnx import value_and_grad
+from precision.fp8._merge import merge_grad_state
 from precision.fp8._scaling import OperandRecipe
 from precision.fp8._scaling import OperandState
 from precision.fp8._scaling import quantize
 from precision.fp8._scaling import scale_from_amax
+# Deprecated aliases (precision.value_and_grad, merge_grad_state replace them).
+from precision.fp8._deprecated import autocast_value_and_grad
+from precision.fp8._deprecated import merge_fp8_grad_state
+from precision.fp8._deprecated import merge_state_grads
+from precision.fp8._deprecated import update_fp8_grad_state
+from precision.fp8._deprecated import value_and_grad
 
 __all__ = [
     "Fp8DotGeneral",

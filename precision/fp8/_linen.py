@@ -3,7 +3,7 @@
 ``"fp8_state"`` holds the forward operands' state; apply with ``mutable=["fp8_state"]``
 to carry its update out of the step. ``"fp8_grad_state"`` holds the gradient operand's
 state, which (as in Flax's fp8_ops) is updated through its cotangent: differentiate with
-respect to that collection too and store the result with `merge_fp8_grad_state`.
+respect to that collection too and store the result with `precision.fp8.merge_grad_state`.
 
 A module called several times in one `apply` (a shared layer: tied weights, an unrolled
 recurrence) passes its gradient-state token from each call to the next, so the stored
@@ -26,7 +26,7 @@ Examples:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from typing import Any
 
 import flax.linen as nn
 from jax.extend import core as jex_core
@@ -89,21 +89,3 @@ class LinenFp8DotGeneral(nn.Module):
       for var, value in zip(variables["grad"], new.grad):
         var.value = value
     return out
-
-
-def merge_fp8_grad_state(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-  """New ``fp8_grad_state`` collection from the old one and its cotangent `new`.
-
-  Where a GEMM took part in the differentiated computation its cotangent is the new state;
-  elsewhere (zero cotangent, scale 0: never a real scale) the old state is kept.
-  """
-  out = {}
-  for key, value in old.items():
-    if isinstance(value, Mapping) and "grad_scale" not in value:
-      out[key] = merge_fp8_grad_state(value, new[key])
-    elif isinstance(value, Mapping):
-      out[key] = sc.keep_unused_grad_state(value, new[key], "grad_scale")
-    else:
-      raise ValueError(f"merge_fp8_grad_state: {key!r} is not a module's fp8 grad state; "
-                       "accepted: the 'fp8_grad_state' collection of a Linen model")
-  return out

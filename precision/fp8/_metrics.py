@@ -25,7 +25,7 @@ def fp8_metrics(module: Any) -> dict[str, jax.Array]:
   used); plus totals ``"fp8/saturated"``, ``"fp8/underflowed"`` and ``"fp8/gemms"``.
   A site in a scan body (state per iteration) reports its iterations' sum of counts and
   max of amax and scale. Gradient entries are those of the last step whose gradient
-  state was stored (`precision.fp8.value_and_grad`, `merge_state_grads`).
+  state was stored (`precision.value_and_grad`, `merge_grad_state`).
   Safe inside jit (no host sync): values are arrays.
   """
   out: dict[str, jax.Array] = {}

@@ -10,7 +10,7 @@ State flow (no host sync; everything is an output of the jitted step):
   collection), the gradient operand's state is an *input* of the custom VJP whose
   "gradient" is its new value. Those Variables have the type `Fp8GradState`; differentiate
   with respect to them and store the result instead of stepping it with the optimizer:
-  `precision.fp8.value_and_grad` does both. We keep the forward state out of that trick
+  `precision.value_and_grad` does both. We keep the forward state out of that trick
   (unlike Flax, which routes all six arrays through gradients) so that an ordinary forward
   pass -- evaluation, or a caller that forgets the gradient state -- still updates it.
 * a module called several times in one differentiated step (tied weights, a recurrence,
@@ -28,7 +28,7 @@ Examples:
   >>> layer = nnx.Linear(8, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   >>> _ = mp.fp8.apply_fp8(layer, mp.Fp8Config(scaling="current"), mp.get_policy("p=f32,c=bf16"))
   >>> loss = lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2)
-  >>> value, grads = mp.fp8.value_and_grad(loss)(layer, jnp.ones((2, 8)))
+  >>> value, grads = mp.value_and_grad(loss)(layer, jnp.ones((2, 8)))
   >>> m = mp.fp8.fp8_metrics(layer)  # a root layer: keys without a path prefix
   >>> int(m["fp8/gemms"]), float(m["grad_amax"]) > 0, float(m["fp8/saturated"])
   (1, True, 0.0)
@@ -51,7 +51,9 @@ from flax import nnx
 from precision import _trace_state
 from precision._policy import Policy
 from precision._recipe import Fp8Config
-from precision.optim import select_tree
+from precision import _deprecation
+from precision._keypath import path_str as _path_name
+from precision.optim._tree import select_tree
 from precision.fp8 import _scaling as sc
 from precision.fp8._dot import OPERANDS, Fp8DotState, Fp8Spec, fp8_dot_general
 
@@ -59,7 +61,7 @@ STATE_FIELDS = sc.OperandState._fields  # amax_history, scale, saturated, underf
 
 
 class _GradTrace:
-  """What `value_and_grad` watches while it differentiates: each fp8 GEMM's gradient-state
+  """What `precision.value_and_grad` watches while it differentiates: each fp8 GEMM's gradient-state
   token must be read once, by the next call of that GEMM. A token read twice means two
   calls started from one state (a module merged twice from one state, a clone): autodiff
   would add their gradient states, so this raises instead, naming the layer."""
@@ -107,7 +109,7 @@ class Fp8State(nnx.Variable):
 
 class Fp8GradState(Fp8State):
   """fp8 scaling state of the gradient operand; updated through its cotangent (see module
-  docstring and `value_and_grad`), never by an optimizer."""
+  docstring and `precision.value_and_grad`), never by an optimizer."""
 
 
 class Fp8DotGeneral(nnx.Module):
@@ -179,7 +181,13 @@ class Fp8DotGeneral(nnx.Module):
     """Stores the gradient-operand state found in `new` (field name -> array, as the
     cotangents of this module's `Fp8GradState` Variables). A module that took no part in
     the differentiated computation gets zero cotangents (scale 0, never a real scale):
-    its state is kept."""
+    its state is kept.
+
+    Deprecated: `precision.fp8.merge_grad_state` merges the state of every GEMM of a
+    model at once (``nnx.update(model, merge_grad_state(nnx.state(model,
+    Fp8GradState), grads))``), and `precision.value_and_grad` does it for you."""
+    _deprecation.warn("Fp8DotGeneral.update_grad_state",
+                      "precision.fp8.merge_grad_state(state, state_grads)")
     old = {field: getattr(self, f"grad_{field}")[...] for field in STATE_FIELDS}
     for field, value in sc.keep_unused_grad_state(old, new, "scale").items():
       getattr(self, f"grad_{field}")[...] = value
@@ -233,10 +241,6 @@ class Fp8Einsum(nnx.Module):
       rhs = jnp.sum(rhs, axis=rsum, dtype=jnp.float32).astype(rhs.dtype)
     out = self.dot(lhs, rhs, dn, precision, preferred_element_type, out_sharding)
     return jnp.transpose(out, perm)
-
-
-def _path_name(path) -> str:
-  return "/".join(str(p) for p in path)
 
 
 def apply_fp8(module: nnx.Module, config: Fp8Config, policy: Policy | None = None, *,
@@ -310,55 +314,6 @@ def fp8_modules(module: nnx.Module) -> list[tuple[str, Fp8DotGeneral]]:
   return out
 
 
-def update_fp8_grad_state(module: nnx.Module, grads: nnx.State) -> nnx.State:
-  """Stores the `Fp8GradState` "gradients" found in `grads` into `module` (in place) and
-  returns the other gradients. `grads` comes from differentiating with respect to
-  ``nnx.Any(nnx.Param, precision.fp8.Fp8GradState)``."""
-  flat = {tuple(path): var for path, var in nnx.to_flat_state(grads)}
-  for path, m in nnx.iter_modules(module):
-    if isinstance(m, Fp8DotGeneral):
-      keys = [tuple(path) + (f"grad_{f}",) for f in STATE_FIELDS]
-      if all(k in flat for k in keys):
-        m.update_grad_state({f: flat[k][...] for f, k in zip(STATE_FIELDS, keys)})
-  return nnx.filter_state(grads, nnx.Not(Fp8GradState))
-
-
-def merge_grad_state(state: nnx.State, state_grads: nnx.State) -> nnx.State:
-  """The fp8 scaling state after a functional step (`jax.value_and_grad`, no module).
-
-  Args:
-    state: ``nnx.state(model, Fp8State)`` read back from the model after its forward pass:
-      the forward operands' `Fp8State` is new there, the `Fp8GradState` still old.
-    state_grads: the gradient of the loss with respect to the fp8 state passed in (the
-      same structure): for `Fp8GradState` it carries the new gradient-operand state.
-
-  Returns:
-    `state` with every `Fp8GradState` variable taken from `state_grads`, except for GEMMs
-    that took no part in the step (zero cotangent): their old state is kept, as in
-    `Fp8DotGeneral.update_grad_state`.
-
-  Examples:
-    >>> def loss(params, fp8_state, x):
-    ...   m = nnx.merge(graphdef, params, fp8_state)
-    ...   return jnp.mean(m(x) ** 2), nnx.state(m, Fp8State)
-    >>> (l, new), (g, g_state) = jax.value_and_grad(loss, (0, 1), has_aux=True)(p, s, x)
-    >>> s = merge_grad_state(new, g_state)
-  """
-  flat = [(tuple(path), var) for path, var in nnx.to_flat_state(state)]
-  cts = {tuple(path): var[...] for path, var in nnx.to_flat_state(state_grads)}
-  gemms: dict[tuple, dict[str, Any]] = {}   # GEMM path -> its grad-state leaf names
-  for path, var in flat:
-    if isinstance(var, Fp8GradState):
-      gemms.setdefault(path[:-1], {})[path[-1]] = var[...]
-  merged = {}
-  for gemm, old in gemms.items():
-    new = {name: cts[gemm + (name,)] for name in old}
-    for name, value in sc.keep_unused_grad_state(old, new, "grad_scale").items():
-      merged[gemm + (name,)] = value
-  return nnx.from_flat_state(
-      [(path, var.replace(merged[path]) if path in merged else var) for path, var in flat])
-
-
 def rollback_fp8_state(new_state: Any, old_state: Any, skipped: Any) -> Any:
   """The fp8 scaling state after a step the optimizer guard may have skipped.
 
@@ -380,7 +335,7 @@ def rollback_fp8_state(new_state: Any, old_state: Any, skipped: Any) -> Any:
   Examples:
     >>> before = jax.tree.map(lambda x: x, model_state)
     >>> model = nnx.merge(graphdef, params, model_state)
-    >>> loss, grads = precision.fp8.value_and_grad(loss_fn)(model, batch)
+    >>> loss, grads = precision.value_and_grad(loss_fn)(model, batch)
     >>> updates, new_opt_state = tx.update(grads, opt_state, params)
     >>> skipped = precision.optim.step_skipped(opt_state, new_opt_state)
     >>> model_state = rollback_fp8_state(nnx.state(model, nnx.Not(nnx.Param)), before,
@@ -400,37 +355,3 @@ def rollback_fp8_state(new_state: Any, old_state: Any, skipped: Any) -> Any:
       var = var.replace(select_tree(skipped, prev, var[...]))
     out.append((path, var))
   return nnx.from_flat_state(out)
-
-
-def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
-  """`nnx.value_and_grad` of ``fn(model, *args)`` for models with fp8 GEMMs.
-
-  Differentiates with respect to the model's nnx.Param *and* its Fp8GradState, writes the
-  new gradient-operand scaling state into the model and returns ``(value, param_grads)``
-  exactly as ``nnx.value_and_grad(fn, has_aux=has_aux)`` would. Use it inside nnx.jit (or
-  split/merge under jax.jit) like the plain one; a model without fp8 GEMMs gets the plain
-  behaviour.
-
-  An fp8 layer may be called several times in `fn` (tied weights, a recurrence, gradient
-  accumulation over micro-batches, in Python loops or in nnx.scan / nnx.fori_loop with
-  the model as carry): each call passes its gradient-state token on to the next, and the
-  stored state is that of one use of the concatenated gradient operand (amax and scale
-  combined by max, counts summed). Two calls that start from the same state (a copy of
-  the model merged or cloned from one state) raise ValueError naming the layer, where
-  autodiff would otherwise add their gradient states.
-  """
-
-  def watched(model, *args, **kwargs):
-    # Inside nnx.value_and_grad `model` is the copy being differentiated: its fp8 modules
-    # are the ones whose calls are watched.
-    with _watch_grad_state(model):
-      return fn(model, *args, **kwargs)
-
-  vg = nnx.value_and_grad(watched, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8GradState)),
-                          has_aux=has_aux)
-
-  def wrapped(model, *args, **kwargs):
-    value, grads = vg(model, *args, **kwargs)
-    return value, update_fp8_grad_state(model, grads)
-
-  return wrapped

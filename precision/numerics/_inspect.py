@@ -8,7 +8,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from precision import _deprecation
 from precision import _intercept
+from precision import _keypath
 from precision._autocast import autocast
 from precision.numerics import _interpret
 from precision.numerics import _report
@@ -56,7 +58,7 @@ def _module_scopes(nodes):
   def path_in(parent, child) -> str:
     key = (id(parent), id(child))
     if key not in paths:
-      paths[key] = next(("/".join(str(p) for p in path)
+      paths[key] = next((_keypath.path_str(path)
                          for path, obj in nnx.iter_graph(parent) if obj is child), "")
     return paths[key]
 
@@ -137,9 +139,10 @@ def _run(fn, recipe_or_policy, args, kwargs, on_tensor, recorder=None) -> tuple:
   return policy, tuple(recorder.unvisited), outputs
 
 
-def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.NumericsReport:
+@_deprecation.renamed_keyword("recipe_or_policy", "recipe", "precision.numerics.inspect")
+def inspect(fn: Callable, recipe: Any, *args, **kwargs) -> _report.NumericsReport:
   """The numerics of every GEMM operand, cotangent and result of `fn(*args, **kwargs)`
-  run under `precision.autocast(fn, recipe_or_policy)`.
+  run under `precision.autocast(fn, recipe)`.
 
   `fn` is traced under autocast to a jaxpr and the jaxpr is run once, op by op, on the
   arguments. Every dot_general and conv_general_dilated (inside jit, custom_vjp/jvp,
@@ -161,7 +164,7 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
 
   Args:
     fn: the function to inspect.
-    recipe_or_policy: what precision.autocast accepts: a Policy, a policy string
+    recipe: what precision.autocast accepts: a Policy, a policy string
       ("p=f32,c=f16,o=f32"), a Recipe, a preset name ("bf16_mixed") or a Plan
       (`precision.bind`, with its overrides). Loss scaling is
       not applied (it belongs to the optimizer): scale the loss in `fn` to see its effect.
@@ -200,14 +203,15 @@ def inspect(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> _report.Num
     rows.append(_report.TensorStats(
         **vars(info), **_stats.tensor_stats(value, dtype, info.block_axes)))
 
-  policy, unvisited, _ = _run(fn, recipe_or_policy, args, kwargs, on_tensor)
+  policy, unvisited, _ = _run(fn, recipe, args, kwargs, on_tensor)
   order = {"lhs": 0, "rhs": 1, "out": 2}
   rows.sort(key=lambda r: (r.index, -1 if r.group is None else r.group, order[r.operand]))
   name = getattr(fn, "__name__", None) or type(fn).__name__
   return _report.NumericsReport(name, policy, tuple(rows), unvisited)
 
 
-def capture(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> tuple:
+@_deprecation.renamed_keyword("recipe_or_policy", "recipe", "precision.numerics.capture")
+def capture(fn: Callable, recipe: Any, *args, **kwargs) -> tuple:
   """The tensors `inspect` takes its statistics from, as f32 numpy arrays.
 
   Same arguments as `inspect`. Holds every GEMM tensor of the call in host memory: for
@@ -221,7 +225,7 @@ def capture(fn: Callable, recipe_or_policy: Any, *args, **kwargs) -> tuple:
   def on_tensor(info, value, dtype):
     out.append(Captured(info, np.asarray(value).astype(np.float32), np.dtype(dtype)))
 
-  _run(fn, recipe_or_policy, args, kwargs, on_tensor)
+  _run(fn, recipe, args, kwargs, on_tensor)
   order = {"lhs": 0, "rhs": 1, "out": 2}
   out.sort(key=lambda c: (c.info.index, -1 if c.info.group is None else c.info.group,
                           order[c.info.operand]))

@@ -37,6 +37,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from precision import _compat
+from precision import _dtypes
 from precision.audit import _walk
 from precision.numerics import _stats
 
@@ -239,7 +240,7 @@ class Recorder:
   def _gemm(self, eqn, invals, inmetas, iteration, scope, bwd, recomputed):
     lhs, rhs = invals[0], invals[1]
     out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
-    below = [np.dtype(x.dtype).itemsize < 4 and _stats.is_float(x.dtype) for x in (lhs, rhs)]
+    below = [_dtypes.below_f32(x.dtype) for x in (lhs, rhs)]
     if self.cpu and any(below):
       up = [x.astype(jnp.float32) if b else x for x, b in zip((lhs, rhs), below)]
       out = _compat.bind_eqn(eqn, [*up, *invals[2:]]).astype(out_dtype)
@@ -261,7 +262,7 @@ class Recorder:
     for k, (side, x, m, ax) in enumerate((("lhs", lhs, inmetas[0], axes[0]),
                                           ("rhs", rhs, inmetas[1], axes[1]))):
       dtype = np.dtype(x.dtype)
-      if not _stats.is_float(dtype):
+      if not _dtypes.is_float(dtype):
         continue
       role = "cotangent" if (bwd and m.bwd) else side
       value = m.pre if m.pre is not None else x
@@ -274,7 +275,7 @@ class Recorder:
         part = take(value, where[k])
         self._emit(dataclasses.replace(info, shape=part_shape(part, where[k]), group=g,
                                        block_axes=_kept_axes(ax, where[k])), part, dtype)
-    if _stats.is_float(out_dtype):
+    if _dtypes.is_float(out_dtype):
       last = (out.ndim - 1,) if out.ndim else ()
       self.pending[index] = (TensorInfo(role="out", operand="out", shape=tuple(out.shape),
                                         dtype=out_dtype.name, block_axes=last, **base), out)
@@ -424,6 +425,6 @@ def _contraction_axes(eqn) -> tuple:
 def _narrows(old: np.dtype, new: np.dtype) -> bool:
   """A float-to-float convert that can round: to a narrower format, or between formats of
   one width (bf16 <-> f16)."""
-  if not (_stats.is_float(old) and _stats.is_float(new)) or old == new:
+  if not (_dtypes.is_float(old) and _dtypes.is_float(new)) or old == new:
     return False
   return new.itemsize <= old.itemsize

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from precision import formats
+from precision._dtypes import is_float
 
 # What-if formats: (column prefix, element dtype, scaling): "none" (the values as they
 # are), "tensor" (per-tensor current scaling, `current_scale`) or "block" (MXFP8: one
@@ -34,16 +35,6 @@ _MX_FREXP_MANT, _MX_FREXP_EXP = 0.875, 9
 _E8M0_MAX = 127
 
 
-def is_float(dtype: Any) -> bool:
-  """True for numpy's floats and ml_dtypes' (bfloat16, the float8 formats)."""
-  dtype = np.dtype(dtype)
-  if np.issubdtype(dtype, np.floating):
-    return True
-  try:
-    ml_dtypes.finfo(dtype)
-  except (ValueError, TypeError):
-    return False
-  return True
 
 
 def is_fp8(dtype: Any) -> bool:

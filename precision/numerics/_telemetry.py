@@ -34,6 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision import _compat
+from precision import _deprecation
+from precision import _dtypes
+from precision import _keypath
 from precision.audit import _walk
 from precision.numerics import _device_stats
 from precision.numerics import _interpret
@@ -185,7 +188,8 @@ class TelemetryRecord:
             f"policy={self.policy!r})")
 
 
-def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = True,
+@_deprecation.renamed_keyword("recipe_or_policy", "recipe", "precision.numerics.gemm_telemetry")
+def gemm_telemetry(fn: Callable, recipe: Any, *args, whatif: bool = True,
                    **kwargs) -> TelemetryRecord:
   """The statistics of every GEMM operand, cotangent and result of `fn(*args, **kwargs)`
   under precision.autocast, and the logit monitors, as a TelemetryRecord of device arrays.
@@ -204,16 +208,18 @@ def gemm_telemetry(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = Tr
       instability z-loss targets).
 
   Args:
-    fn, recipe_or_policy, *args, **kwargs: as precision.numerics.inspect.
+    fn, recipe, *args, **kwargs: as precision.numerics.inspect.
     whatif: compute the what-if columns (bf16, f16, E4M3, E5M2, MXFP8); False leaves them
       NaN in `report()` and costs about half of the statistics' work.
   Returns:
     A TelemetryRecord.
   """
-  return telemetry_and_outputs(fn, recipe_or_policy, *args, whatif=whatif, **kwargs)[0]
+  return telemetry_and_outputs(fn, recipe, *args, whatif=whatif, **kwargs)[0]
 
 
-def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bool = True,
+@_deprecation.renamed_keyword("recipe_or_policy", "recipe",
+                              "precision.numerics.telemetry_and_outputs")
+def telemetry_and_outputs(fn: Callable, recipe: Any, *args, whatif: bool = True,
                           **kwargs) -> tuple[TelemetryRecord, Any]:
   """gemm_telemetry and the outputs of the evaluation it measured: fn's results as
   autocast returns them (floating results in the policy's output dtype)."""
@@ -236,7 +242,7 @@ def telemetry_and_outputs(fn: Callable, recipe_or_policy: Any, *args, whatif: bo
     recorder_box.append(rec)
     return rec
 
-  policy, unvisited, outputs = _inspect._run(fn, recipe_or_policy, args, kwargs, on_tensor,
+  policy, unvisited, outputs = _inspect._run(fn, recipe, args, kwargs, on_tensor,
                                              recorder=make)
   rec = recorder_box[0]
   order = {"lhs": 0, "rhs": 1, "out": 2}
@@ -277,11 +283,6 @@ PARAM_MONITORS = ("update_rms", "param_rms", "update_to_param", "update_lost",
                   "adam_rms_g2_over_v")
 
 
-def _path(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                  for k in path)
-
-
 def _rms(x):
   x = jnp.asarray(x, jnp.float32)
   return jnp.sqrt(jnp.mean(x * x)) if x.size else jnp.float32(0.0)
@@ -294,8 +295,8 @@ def _leaves(tree) -> list:
       tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     if isinstance(leaf, nnx.Variable):
       leaf = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
-    if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
-      out.append((_path(path), leaf))
+    if _dtypes.is_float(leaf):
+      out.append((_keypath.path_str(path), leaf))
   return out
 
 

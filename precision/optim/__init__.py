@@ -27,7 +27,6 @@ the train steps above pass it.
 
 from precision.optim._apply import apply_updates
 from precision.optim._build import build_optimizer
-from precision.optim._build import scaled_value_and_grad
 from precision.optim._clip import clip_by_global_norm
 from precision.optim._clip import global_norm
 from precision.optim._direct import StochasticState
@@ -67,6 +66,8 @@ from precision.optim._spike import SpikeGuardState
 from precision.optim._spike import spike_guard
 from precision.optim._tree import all_finite
 from precision.optim._tree import select_tree
+# Deprecated alias: precision.value_and_grad(loss_fn, opt_state) replaces it.
+from precision.optim._deprecated import scaled_value_and_grad
 
 __all__ = [
     "DynamicLossScale",

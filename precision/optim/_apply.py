@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from precision import _dtypes
 from precision.optim import _tree
 from precision.rounding import leaf_seed
 from precision.rounding import stochastic_round
@@ -47,7 +48,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
   """
 
   def one(p, u):
-    if p is None or u is None or not _tree.is_float(p):
+    if p is None or u is None or not _dtypes.is_float(p):
       return p
     # The dtype optax's standard-promotion add would use (a dtype lookup, no arithmetic).
     with jax.numpy_dtype_promotion("standard"):
@@ -78,11 +79,11 @@ def round_tree(values: Any, like: Any, rounding: str, seed: int, count: jax.Arra
   like_leaves = treedef.flatten_up_to(like)
   out = []
   for i, (x, p) in enumerate(zip(leaves, like_leaves)):
-    if rounding == "stochastic" and _tree.is_float(p) and p.dtype.itemsize < 4:
+    if rounding == "stochastic" and _dtypes.is_float(p) and p.dtype.itemsize < 4:
       out.append(stochastic_round(x.astype(jnp.float32), p.dtype, key=leaf_seed(seed, i),
                                   step=count.astype(jnp.uint32),
                                   index_offset=shard_offset(axis_name, x.size)))
-    elif _tree.is_float(p):
+    elif _dtypes.is_float(p):
       out.append(x.astype(p.dtype))
     else:
       out.append(x)
@@ -96,7 +97,7 @@ def deltas(new: Any, old: Any, inner_updates: Any) -> Any:
   """
 
   def one(n, o, u):
-    if not _tree.is_float(o):
+    if not _dtypes.is_float(o):
       return u
     if o.dtype.itemsize >= 4:
       return u

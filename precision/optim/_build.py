@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -18,7 +16,6 @@ from precision.optim import _kahan
 from precision.optim import _loss_scale
 from precision.optim import _master
 from precision.optim import _moments
-from precision.optim import _query
 from precision.optim import _seed
 from precision.optim import _spike
 
@@ -133,32 +130,3 @@ def _guarded(opt: OptimizerDecisions, tx: optax.GradientTransformation,
   return _spike.spike_guard(tx, window=sg.window, threshold=sg.threshold,
                             max_consecutive=sg.max_consecutive, min_history=sg.min_history,
                             axis_name=axis_name)
-
-
-def scaled_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False
-                          ) -> Callable[..., Any]:
-  """``jax.value_and_grad`` of ``loss_fn(params, *args) * loss_scale_of(opt_state)``.
-
-  Returns ``fn(opt_state, params, *args, **kwargs) -> (loss, grads)`` (``((loss, aux),
-  grads)`` with `has_aux`): `loss` is `loss_fn`'s own unscaled value, `grads` are the
-  SCALED grads that the optimizer's guard unscales and checks. The loss is multiplied by
-  the scale in f32.
-
-  Examples:
-    >>> grad_fn = scaled_value_and_grad(loss_fn)
-    >>> loss, grads = grad_fn(opt_state, params, batch)
-    >>> updates, opt_state = tx.update(grads, opt_state, params)
-  """
-
-  def fn(opt_state, params, *args, **kwargs):
-    scale = _query.loss_scale_of(opt_state)
-
-    def scaled(p):
-      out = loss_fn(p, *args, **kwargs)
-      loss, aux = out if has_aux else (out, None)
-      return loss.astype(jnp.float32) * scale, (loss, aux)
-
-    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-    return ((loss, aux) if has_aux else loss), grads
-
-  return fn

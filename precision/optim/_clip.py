@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from precision import _dtypes
 from precision.optim import _compat
 from precision.optim import _tree
 
@@ -26,7 +27,7 @@ def _sum_of(square, tree: Any, axis_name: str | None) -> jax.Array:
   """f32 sum over every floating element of `tree` of ``square(f32 element)``: per leaf,
   then over the leaves, then psum-ed over `axis_name`."""
   sums = [jnp.sum(square(x.astype(jnp.float32)))
-          for x in jax.tree.leaves(tree) if _tree.is_float(x)]
+          for x in jax.tree.leaves(tree) if _dtypes.is_float(x)]
   total = jnp.sum(jnp.stack(sums)) if sums else jnp.zeros((), jnp.float32)
   if axis_name is not None:
     total = jax.lax.psum(total, axis_name)
@@ -76,7 +77,7 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None
     factor = jnp.float32(max_norm) / jnp.maximum(norm, jnp.float32(max_norm))
 
     def one(u):
-      if not _tree.is_float(u):
+      if not _dtypes.is_float(u):
         return u
       return jnp.where(trigger, u, (u.astype(jnp.float32) * factor).astype(u.dtype))
 

@@ -15,8 +15,8 @@ Unscaled gradients are detectable: the guard of a loss-scaling optimizer divides
 by the scale whatever they are, so grads computed WITHOUT multiplying the loss by it come
 out `scale` times too small (SGD stalls; Adam, scale-invariant, hides it). Reading the
 scale (`precision.optim.loss_scale_of`, which `precision.value_and_grad`,
-`precision.train_step`, `scaled_value_and_grad` and `precision.parallel` call) marks the
-calling thread; the loss-scaling update takes the mark, and warns once per process
+`precision.train_step` and `precision.parallel` call) marks the calling thread; the
+loss-scaling update takes the mark, and warns once per process
 (`UnscaledGradientsWarning`) when it is traced without one since the previous update.
 
 A non-finite LOSS with finite gradients (an f16 mean that overflowed, an inf term under
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision import _dtypes
 from precision import _trace_state
 from precision.optim import _clip
 from precision.optim import _loss_scale
@@ -166,7 +167,7 @@ def _guard(inner, loss_scale, axis_name, skip):
     # broadcast reciprocal) between this reduction and the update, and keeps them as a
     # temporary the size of the grads.
     measured = [jnp.asarray(x) for x in jax.tree.leaves(grads)
-                if _tree.is_float(x) or isinstance(x, float)]
+                if _dtypes.is_float(x) or isinstance(x, float)]
     measured, scale = jax.lax.optimization_barrier((measured, state.loss_scale))
     norm, finite = _clip.norm_and_finite(scale.unscale(measured), axis_name)
     if value is not None:

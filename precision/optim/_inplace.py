@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision import _dtypes
 from precision.optim import _apply
 from precision.optim import _tree
 
@@ -64,7 +65,7 @@ def opaque(x: jax.Array) -> jax.Array:
 
 
 def _narrow(x: Any) -> bool:
-  return _tree.is_float(x) and np.dtype(x.dtype).itemsize < 4 and np.size(x) > 0
+  return _dtypes.is_float(x) and np.dtype(x.dtype).itemsize < 4 and np.size(x) > 0
 
 
 def order_after(opt_state: Any, params: Any) -> Any:
@@ -105,7 +106,7 @@ def order_after(opt_state: Any, params: Any) -> Any:
   for node in nodes:
     if mirrors(node):
       leaves = treedef.flatten_up_to(node)
-      node = treedef.unflatten([depend(s, p) if _narrow(s) and _tree.is_float(p) else s
+      node = treedef.unflatten([depend(s, p) if _narrow(s) and _dtypes.is_float(p) else s
                                 for s, p in zip(leaves, new)])
     out.append(node)
   return outer.unflatten(out)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from precision import _dtypes
 from precision.optim import _compat
 from precision.optim import _recompute
 from precision.optim import _tree
@@ -54,7 +55,7 @@ def kahan_updates(inner: optax.GradientTransformation) -> optax.GradientTransfor
   inner = _compat.compat(inner)
 
   def init_fn(params):
-    comp = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype) if _tree.is_float(p) else p, params)
+    comp = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype) if _dtypes.is_float(p) else p, params)
     return KahanState(comp, inner.init(_tree.cast(params, jnp.float32)))
 
   def update_fn(grads, state, params=None):
@@ -70,12 +71,12 @@ def kahan_updates(inner: optax.GradientTransformation) -> optax.GradientTransfor
 
     def step(p, d, c):
       # The f32 update that `apply_updates` rounds once into p: round(p + y) is new.
-      if not _tree.is_float(p) or p.dtype.itemsize >= 4:
+      if not _dtypes.is_float(p) or p.dtype.itemsize >= 4:
         return d  # f32 params take the f32 update directly
       return d + c.astype(jnp.float32)
 
     def compensation(p, d, c):
-      if not _tree.is_float(p) or p.dtype.itemsize >= 4:
+      if not _dtypes.is_float(p) or p.dtype.itemsize >= 4:
         return c
       f = p.astype(jnp.float32)
       y = d + c.astype(jnp.float32)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision import _dtypes
 from precision.optim import _tree
 
 _F32 = jnp.float32
@@ -167,7 +168,7 @@ def check_grads_finite(grads_finite: Any) -> jax.Array:
 def _scale_leaf(x: Any, scale: jax.Array) -> Any:
   # Scale floating leaves in f32: an f16 loss times 2**15 can overflow f16, and f32 holds
   # every f16/bf16 value exactly. Integer and other leaves pass through, as in `unscale`.
-  if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+  if _dtypes.is_float(x):
     return x.astype(_F32) * scale.astype(_F32)
   return x
 
@@ -180,7 +181,7 @@ def _unscale_leaf(g: Any, scale: jax.Array) -> Any:
   # exact and g * (1/s) IS g / s, bit for bit; for another scale it can differ from the
   # quotient in the last bit. A multiply, unlike a division, is cheap enough for XLA to
   # fuse into every consumer of the unscaled grads instead of keeping them as a temporary.
-  if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating):
+  if _dtypes.is_float(g):
     return g.astype(_F32) * (jnp.ones((), _F32) / scale.astype(_F32))
   return g
 

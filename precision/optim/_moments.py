@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from precision import _dtypes
 from precision._policy import parse_dtype
 from precision.optim import _compat
 from precision.optim import _tree
@@ -56,7 +57,7 @@ def moment_dtypes(inner: optax.GradientTransformation, mu_dtype: Any = jnp.float
   def store(state):
     def one(path, x):
       dt = _moment_dtype(path, mu_dtype, nu_dtype)
-      return x.astype(dt) if dt is not None and _tree.is_float(x) else x
+      return x.astype(dt) if dt is not None and _dtypes.is_float(x) else x
 
     return jax.tree_util.tree_map_with_path(one, state)
 
@@ -70,7 +71,7 @@ def moment_dtypes(inner: optax.GradientTransformation, mu_dtype: Any = jnp.float
     p32 = None if params is None else _tree.cast(params, jnp.float32)
     u, new = inner.update(_tree.cast(grads, jnp.float32), wide, p32)
     # Leaves that are not moments go back to exactly their previous dtype.
-    new = store(jax.tree.map(lambda n, o: n.astype(o.dtype) if _tree.is_float(o) else n,
+    new = store(jax.tree.map(lambda n, o: n.astype(o.dtype) if _dtypes.is_float(o) else n,
                              new, state))
     return u, new
 

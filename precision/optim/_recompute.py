@@ -22,6 +22,7 @@ from typing import Any, Callable
 import jax
 from jax.extend import core as jex_core
 
+from precision import _dtypes
 from precision.optim import _inplace
 from precision.optim import _select
 from precision.optim import _tree
@@ -50,7 +51,7 @@ def update_twice(update: Callable[..., tuple[Any, Any]], grads: Any, state: Any,
   again: dict = {}
   for v, x in zip(jaxpr.outvars[n_updates:], outs[n_updates:]):
     if not isinstance(v, jex_core.Literal) and v not in outer:
-      again[v] = _inplace.opaque(x) if _tree.is_float(x) and x.size else x
+      again[v] = _inplace.opaque(x) if _dtypes.is_float(x) and x.size else x
   vals, read = traced.environment()
   vals.update(again)
   needed = _needed(jaxpr, jaxpr.outvars[:n_updates], stop=set(again))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from precision import _dtypes
 from precision.optim import _apply
 from precision.optim import _compat
 from precision.optim import _tree
@@ -57,7 +58,7 @@ class RemainderState(NamedTuple):
 
 def _check_bf16(params):
   for p in jax.tree.leaves(params):
-    if _tree.is_float(p) and p.dtype != jnp.bfloat16:
+    if _dtypes.is_float(p) and p.dtype != jnp.bfloat16:
       raise ValueError(f"remainder_master_weights stores bf16 params; got a {p.dtype} leaf")
 
 

@@ -8,9 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def is_float(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+from precision._dtypes import is_float
 
 
 def cast(tree: Any, dtype: Any) -> Any:

@@ -370,7 +370,7 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
   # scaling keeps amax histories): model_state is then {"collections", "fp8"}.
   if has_fp8:
     # The fp8 entry points take the cell's plan itself (the same GEMM choice, bound once).
-    vg = mp_fp8.autocast_value_and_grad(loss_of, plan, has_aux=True)
+    vg = mp_value_and_grad(_autocast.autocast(loss_of, plan, fp8_state=True), has_aux=True)
     example = next(iter(task.batches(seed)))
     fp8_state0 = mp_fp8.init_state(loss_of, plan, params, collections, example,
                                    jax.random.key(0), jnp.ones((), _F32))
