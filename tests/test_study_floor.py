@@ -15,6 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -47,17 +48,39 @@ def _ulps(a, b):
 # --------------------------------------------------------------------------- the nudge
 
 
-def test_nudge_changes_one_ulp_of_the_largest_nonzero_param_tree():
+def _largest_grad(grads, values):
+  """(leaf path, flat index) of the largest |gradient| at a nonzero value, computed
+  directly (the rule `_floor` states)."""
+  best = None
+  for (path, g), v in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                          jax.tree.leaves(values)):
+    score = np.where(np.asarray(v).reshape(-1) != 0, np.abs(np.asarray(g).reshape(-1)), -1)
+    j = int(np.argmax(score))
+    if best is None or score[j] > best[2]:
+      best = (jax.tree_util.keystr(path), j, score[j])
+  return best[:2]
+
+
+def test_nudge_changes_one_ulp_of_the_element_of_largest_gradient():
   tree = {"bias": jnp.zeros((64,), jnp.float32), "w": jnp.array([[0.0, -2.0], [1.0, 3.0]]),
-          "v": jnp.array([0.5, 0.25], jnp.float32)}
-  new, where = _floor.nudge(tree)
-  # The zero bias is larger but all zero (its next value would be a subnormal, which
-  # XLA:CPU flushes): the 2x2 w is nudged at its first nonzero element, away from zero.
+          "v": jnp.array([0.5, 0.25], jnp.float32), "steps": jnp.array([3], jnp.int32)}
+  x = jnp.array([[1.0, 4.0]], jnp.float32)
+
+  def loss(p, batch):
+    c = jnp.array([[0.5, 0.25]], jnp.float32)
+    return jnp.sum(batch @ p["w"] * c) + 0.1 * jnp.sum(p["v"]) + jnp.sum(p["bias"] ** 2) \
+        + 100.0 * jnp.sum(p["bias"])
+
+  new, where = _floor.nudge(tree, loss, x)
+  # d/dw[i, j] = x[i] c[j]: w[1, 0] (4 x 0.5 = 2) is largest; w[1, 1] (1) next. The zero
+  # bias has the largest gradient (100) but is never nudged: its next value is a
+  # subnormal, which XLA:CPU flushes. The int leaf is left alone.
   assert np.all(new["bias"] == 0) and np.all(new["v"] == tree["v"])
-  assert _ulps(new["w"], tree["w"]).tolist() == [0, 1, 0, 0]
-  assert float(new["w"][0, 1]) < -2.0 and new["w"].dtype == jnp.float32
-  assert where.startswith("['w'][0, 1]: -2.0 -> ")
-  again, where2 = _floor.nudge(tree)
+  assert np.array_equal(new["steps"], tree["steps"])
+  assert _ulps(new["w"], tree["w"]).tolist() == [0, 0, 1, 0]
+  assert float(new["w"][1, 0]) > 1.0 and new["w"].dtype == jnp.float32
+  assert where.startswith("['w'][1, 0]: 1.0 -> ") and "one float32 ulp" in where
+  again, where2 = _floor.nudge(tree, loss, x)
   assert where2 == where and np.array_equal(np.asarray(again["w"]), np.asarray(new["w"]))
 
 
@@ -67,23 +90,96 @@ def test_nudge_nnx_in_place_and_linen_pair():
       self.a = nnx.Linear(3, 8, rngs=rngs)
       self.b = nnx.Linear(8, 2, rngs=rngs)
 
+    def __call__(self, x):
+      return self.b(jnp.tanh(self.a(x)))
+
+  x = jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], jnp.float32)
+  loss = lambda m, b: jnp.mean(m(b) ** 2)
   model = Mlp(nnx.Rngs(0))
   before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
-  _, where = _floor.nudge(model)
+  g = nnx.grad(loss)(model, x)
+  path, j = _largest_grad(g, before)
+  _, where = _floor.nudge(model, loss, x)
   after = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
   diffs = jax.tree.map(lambda x, y: int(_ulps(x, y).sum()), before, after)
-  assert sum(jax.tree.leaves(diffs)) == 1 and where.startswith("['a']['kernel'][0, 0]")
+  assert sum(jax.tree.leaves(diffs)) == 1
+  leaf = dict((jax.tree_util.keystr(p), v)
+              for p, v in jax.tree_util.tree_flatten_with_path(after)[0])[path]
+  shape = leaf.shape
+  want = f"{path.removesuffix('.value')}[{', '.join(map(str, np.unravel_index(j, shape)))}]"
+  assert where.startswith(want + ": "), (where, want)
+
   module = nn.Dense(4)
   variables = module.init(jax.random.key(0), jnp.ones((1, 5)))
-  (m2, v2), where = _floor.nudge((module, variables))
-  assert m2 is module and where.startswith("['kernel'][0, 0]")
+  xs = jnp.arange(10, dtype=jnp.float32).reshape(2, 5) / 10.0
+  lin_loss = lambda m, b: jnp.mean(m(b) ** 2)
+  g = jax.grad(lambda p: jnp.mean(module.apply({"params": p}, xs) ** 2))(variables["params"])
+  path, j = _largest_grad(g, variables["params"])
+  (m2, v2), where = _floor.nudge((module, variables), lin_loss, xs)
+  assert m2 is module and path == "['kernel']"
+  assert where.startswith(f"['kernel'][{', '.join(map(str, np.unravel_index(j, (5, 4))))}]")
   assert int(_ulps(v2["params"]["kernel"], variables["params"]["kernel"]).sum()) == 1
   assert np.array_equal(v2["params"]["bias"], variables["params"]["bias"])
 
 
-def test_nudge_of_all_zero_params_is_refused():
-  with pytest.raises(ValueError, match="nonzero element to nudge"):
-    _floor.nudge({"w": jnp.zeros((3,), jnp.float32)})
+def test_nudge_without_a_gradient_is_refused():
+  x = jnp.ones((2,), jnp.float32)
+  with pytest.raises(ValueError, match="gradient on seed 0's first batch is nonzero"):
+    _floor.nudge({"w": jnp.zeros((2,), jnp.float32)}, lambda p, b: jnp.sum(p["w"] * b), x)
+  # Nonzero weights that the loss does not read: no element takes part in training.
+  with pytest.raises(ValueError, match="every such gradient of the model's loss is zero"):
+    _floor.nudge({"w": jnp.ones((2,), jnp.float32), "u": jnp.zeros((2,), jnp.float32)},
+                 lambda p, b: jnp.sum(p["u"] * b), x)
+
+
+# An embedding task whose largest parameter has a row no batch uses (token 0, like byte 0
+# of a text corpus): the floor's element must be one that training reads.
+VOCAB, DIM = 32, 16
+
+
+def _embed_task():
+  target = np.random.default_rng(3).standard_normal((VOCAB,)).astype(np.float32)
+
+  def init(seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"emb": jax.random.normal(k1, (VOCAB, DIM)),  # 512 elements: the largest
+            "w": jax.random.normal(k2, (DIM,)) / np.sqrt(DIM)}
+
+  def batches(seed):
+    rng = np.random.default_rng(seed)
+    while True:
+      tok = rng.integers(1, VOCAB, (8,)).astype(np.int32)  # never token 0
+      yield {"tok": tok, "y": target[tok]}
+
+  def loss(p, b):
+    return jnp.mean((p["emb"][b["tok"]] @ p["w"] - b["y"]) ** 2)
+
+  every = np.arange(1, VOCAB)
+
+  def evaluate(p):
+    # In float64 on the host over every token the data uses, so that a difference of
+    # one ulp in a used weight shows; it reads only those rows, as any metric of the
+    # model does.
+    emb, w = np.asarray(p["emb"], np.float64), np.asarray(p["w"], np.float64)
+    return float(np.mean((emb[every] @ w - target[every]) ** 2))
+
+  # A small lr: the nudged element's one-ulp lead is not lost to an update's rounding.
+  return study.Task(init=init, loss=loss, batches=batches, optimizer=optax.adam(1e-3),
+                    evaluate=evaluate, name="embed")
+
+
+def test_floor_moves_on_a_task_whose_largest_parameter_has_an_unused_row(tmp_path):
+  """The old rule nudged emb[0, 0] (the first nonzero element of the largest parameter):
+  no batch reads row 0, so no gradient reaches it and the floor was the control bit for
+  bit (every per-seed difference exactly 0). The element of the largest gradient on the
+  first batch is one the loss reads: every seed's floor moves."""
+  with user_code():
+    r = study.run(_embed_task(), ["fp32"], seeds=2, out=str(tmp_path / "s"), floor=True,
+                  **SMALL)
+  floor = r.summary["floor"]
+  assert len(floor["deltas"]) == 2 and all(d != 0 for d in floor["deltas"]), floor["deltas"]
+  # Seed 0's element (here in w, whose gradient sums over the batch) is not row 0's.
+  assert not floor["nudge"].startswith("['emb'][0, ")
 
 
 def test_seeds_for_margin_reach_the_power_they_promise():
@@ -150,11 +246,12 @@ def test_sequential_study_summary(tmp_path):
   floor = r.summary["floor"]
   assert floor["arm"] == "fp32-floor" and len(floor["deltas"]) == 6
   assert floor["rms"] is not None and floor["margin_below_floor"] is False
-  assert floor["nudge"].endswith("(one float32 ulp)")
+  assert "(one float32 ulp; the largest gradient on seed 0's first batch" in floor["nudge"]
   assert "**Chaos floor**" in r.markdown
   with open(os.path.join(out, "study.json")) as f:
     st = json.load(f)
-  assert st["identity"]["sequential"]["max_seeds"] == 6 and st["identity"]["floor"]
+  assert st["identity"]["sequential"]["max_seeds"] == 6
+  assert st["identity"]["floor"] == _floor.RULE
   assert st["sequential_state"] == {"seeds": 6, "arm_seeds": [["bf16_mixed", 3]]}
   again = study.report_only(out)
   assert _report.comparable(again.summary) == _report.comparable(r.summary)

@@ -80,7 +80,9 @@ def identity(cfg: StudyConfig, task: Task, digest: str) -> dict:
           "aa": cfg.aa, "max_nonfinite": cfg.max_nonfinite,
           "overrides": [list(p) for p in cfg.overrides],
           # Keys only a floor / sequential study has: older studies keep their identity.
-          **({"floor": True} if cfg.floor else {}),
+          # The floor's rule of which element it nudges (`_floor.RULE`): floor cells of
+          # another rule are other runs.
+          **({"floor": _floor.RULE} if cfg.floor else {}),
           **({"seeds": cfg.sequential.max_seeds,
               "sequential": dataclasses.asdict(cfg.sequential)} if cfg.sequential else {})}
 
