@@ -34,12 +34,12 @@ import time
 
 import precision as mp
 
-import jax  # noqa: E402
+import jax
 
-from experiments import sweep  # noqa: E402
-from experiments import data as data_lib  # noqa: E402
-from precision import study  # noqa: E402
-from precision.study import _cells  # noqa: E402
+from experiments import sweep
+from experiments import data as data_lib
+from precision import study
+from precision.study import _cells
 
 RECIPES = ("fp32", "bf16_mixed", "bf16_master", "f16_mixed")
 
@@ -94,7 +94,7 @@ def bench(tasks, recipes, seeds, steps, seed_batch, out) -> dict:
 
 
 def table(results: dict, seed_batch: int) -> str:
-  lines = [f"| task | side | wall s | steps/s (wall) | train s | steps/s (train) |",
+  lines = ["| task | side | wall s | steps/s (wall) | train s | steps/s (train) |",
            "|---|---|---|---|---|---|"]
   for name, res in results.items():
     for side in ("sequential", "batched"):

@@ -45,21 +45,18 @@ import traceback
 import warnings
 
 import precision as mp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-mp.enable_faithful_rounding()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from precision import study  # noqa: E402
-from precision.checkpoint import CheckpointError  # noqa: E402
-from experiments import data as data_lib  # noqa: E402
-from experiments import gates  # noqa: E402
-from models import gpt as gpt_lib  # noqa: E402
-from models import plain_lm  # noqa: E402
+from precision import study
+from precision.checkpoint import CheckpointError
+from experiments import data as data_lib
+from experiments import gates
+from models import gpt as gpt_lib
+from models import plain_lm
 
 # The default sweep's recipes: every preset but the microscaled ones (mxfp8, nvfp4), whose
 # GEMMs are emulated on this CPU (quantise, dequantise, f32 GEMM) and which the measured
@@ -369,6 +366,7 @@ def _fault_line(e: BaseException, out: str) -> str:
 
 
 def main(argv=None) -> int:
+  mp.enable_faithful_rounding()  # XLA flags: set here, before the first computation
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--recipes", help=f"comma-separated presets (default: {','.join(ALL_RECIPES)}; "

@@ -1,7 +1,6 @@
 """The experiment scripts set XLA flags in main(), not when imported: importing one (as
-the tests and other scripts do) leaves XLA_FLAGS and JAX_PLATFORMS as they were.
-experiments/sweep.py, and bench_study.py which imports it, are left out here until the
-sweep's own switch moves into its main()."""
+the tests and other scripts do) leaves XLA_FLAGS and JAX_PLATFORMS as they were
+(bench_study imports sweep)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = ("bench", "bench_host", "bench_optim", "bench_parallel", "demo", "train", "gates",
-           "gpu_check")
+           "gpu_check", "sweep", "bench_study")
 
 
 def test_importing_an_experiment_sets_no_xla_flag():
