@@ -300,24 +300,32 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     bar = _bar(len(mine) * cfg.steps, (len(mine) - len(todo)) * cfg.steps,
                "study" if n == 1 else f"study {k}/{n}", progress)
     for group in ([[c] for c in todo] if sb.k == 1 else _batched.groups(todo, sb.k)):
-      _signals.check()  # a stop between cells: nothing is open
-      if bar is not None:
-        bar.set_postfix_str(group[0].name if len(group) == 1
-                            else f"{group[0].name}..s{group[-1].index}")
-      # One arm per group: the chaos floor's cells start from nudged weights.
-      cell_task = _task_of(task, cfg, group[0])
-      if sb.k == 1:
-        _cells.run_cell(cell_task, group[0], settings, out,
-                        on_step=bar.update if bar else None, retry_failed=retry)
-      else:
-        _batched.run_group(cell_task, group, settings, out, sb,
-                           on_step=bar.update if bar else None, retry_failed=retry)
+      _run_group(task, cfg, group, settings, out, sb, bar, retry)
     if bar is not None:
       bar.close()
     if any(_cells.read_done(out, c) is None for c in cfg.grid()):
       return None
     _measure_costs(task, cfg, settings, out, timing_rounds)
   return _report.write(out, cfg, judge, task_name=task.name)
+
+
+def _run_group(task: Task, cfg: StudyConfig, group: list, settings: _cells.CellSettings,
+               out: str, sb: _batched.SeedBatch | None, bar, retry_failed: bool) -> None:
+  """Trains one group of cells of one arm: a one-seed cell (`_cells.run_cell`) when seed
+  batching is off (`sb` None or K 1), else a seed-batched group (`_batched.run_group`)."""
+  _signals.check()  # a stop between cells: nothing is open
+  if bar is not None:
+    bar.set_postfix_str(group[0].name if len(group) == 1
+                        else f"{group[0].name}..s{group[-1].index}")
+  # One arm per group: the chaos floor's cells start from nudged weights.
+  cell_task = _task_of(task, cfg, group[0])
+  on_step = bar.update if bar else None
+  if sb is not None and sb.k > 1:
+    _batched.run_group(cell_task, group, settings, out, sb, on_step=on_step,
+                       retry_failed=retry_failed)
+  else:
+    _cells.run_cell(cell_task, group[0], settings, out, on_step=on_step,
+                    retry_failed=retry_failed)
 
 
 def _task_of(task: Task, cfg: StudyConfig, cell: _cells.Cell) -> Task:
@@ -389,18 +397,8 @@ def _sequential_rounds(task: Task, cfg: StudyConfig, settings: _cells.CellSettin
     bar = _bar(len(todo) * cfg.steps, 0, f"study: round to {cfg.seeds} seeds", progress)
     batched = sb is not None and sb.k > 1
     for group in _batched.groups(todo, sb.k) if batched else [[c] for c in todo]:
-      _signals.check()  # a stop between cells: nothing is open
-      if bar is not None:
-        bar.set_postfix_str(group[0].name if len(group) == 1
-                            else f"{group[0].name}..s{group[-1].index}")
       ran.update(c.name for c in group)
-      cell_task = _task_of(task, cfg, group[0])  # one arm per group
-      if batched:
-        _batched.run_group(cell_task, group, settings, out, sb,
-                           on_step=bar.update if bar else None, retry_failed=retry_failed)
-      else:
-        _cells.run_cell(cell_task, group[0], settings, out,
-                        on_step=bar.update if bar else None, retry_failed=retry_failed)
+      _run_group(task, cfg, group, settings, out, sb, bar, retry_failed)
     if bar is not None:
       bar.close()
 
