@@ -156,3 +156,22 @@ def test_zoo_mixtral_decoder_under_apply_recipe_keeps_its_routers_in_f32():
   assert sum(g.direction == "fwd" for g in router) == 2, router
   rest = {g.signature() for g in prog.gemms if "/router/" not in g.name}
   assert rest == {("bf16", "bf16", "f32")}, rest
+
+
+def test_sub_operands_give_each_loop_body_the_operands_it_takes():
+  """The container walk the router finder and the fp8 site finder share: a while's cond
+  takes its own consts and the carry (not the body's consts), its body the body's consts
+  and the carry; a cond's branches every operand but the index (checked by the avals)."""
+  from precision._autocast import _fp8
+
+  def f(a, b, x):
+    x = lax.while_loop(lambda c: jnp.sum(c * a) < 1e3, lambda c: c * b[0], x)
+    return lax.cond(x[0] > 0, lambda y, z: y + z[0], lambda y, z: y - z[0], x, b)
+
+  a, b, x = jnp.ones(()) * 2, jnp.ones((3, 2)), jnp.ones((2,))
+  eqns = {e.primitive.name: e for e in jax.make_jaxpr(f)(a, b, x).jaxpr.eqns}
+  for name in ("while", "cond"):
+    eqn = eqns[name]
+    for k, sub, _ in _fp8.sub_jaxprs(eqn):
+      got = [v.aval for v in _fp8.sub_operands(eqn, k, eqn.invars)]
+      assert got == [v.aval for v in sub.invars], (name, k, got)

@@ -38,17 +38,12 @@ _PASS = R.POLYMORPHIC | frozenset(R.PROMOTING)
 
 
 def _subs(eqn) -> list:
-  """(sub-jaxpr, path index, offset of its first invar among the eqn's invars, outputs map
-  to the eqn's) for each sub-jaxpr of a container."""
-  p, name = eqn.params, eqn.primitive.name
-  if name in ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "scan"):
-    j = p.get("jaxpr", p.get("call_jaxpr"))
-    return [(j, 0, 0, True)]
-  if name == "while":
-    return [(p["cond_jaxpr"], 0, 0, False), (p["body_jaxpr"], 1, p["cond_nconsts"], True)]
-  if name == "cond":
-    return [(b, k, 1, True) for k, b in enumerate(p["branches"])]
-  return []
+  """(sub-jaxpr, path index, the eqn's invars its invars take, whether its outvars are
+  the eqn's outvars) for each sub-jaxpr of a container: the interpreter's numbering
+  (`_fp8.sub_jaxprs`), a platform-dependent cond's branches included (values flow through
+  them), a while's cond the one body whose outputs are not the loop's."""
+  return [(sub, k, _fp8.sub_operands(eqn, k, eqn.invars), not (kind == "while" and k == 0))
+          for k, sub, kind in _fp8.sub_jaxprs(eqn, platform_branches=True)]
 
 
 def _is_var(v) -> bool:
@@ -98,9 +93,9 @@ def _walk(jaxpr, path: tuple, needed_outs: set, found: set) -> set:
       continue
     subs = _subs(eqn)
     if subs:
-      for sub, k, offset, maps_outs in subs:
+      for sub, k, operands, maps_outs in subs:
         ins = _walk(sub, path + (i, k), set(outs_needed) if maps_outs else set(), found)
-        needed.update(_float_vars(eqn.invars[offset + n] for n in ins))
+        needed.update(_float_vars(operands[n] for n in ins))
       continue
     if not outs_needed:
       continue
