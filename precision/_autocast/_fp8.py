@@ -429,6 +429,26 @@ def prepare(env, jaxpr, config, stateful: bool, state: Any, check_state: bool = 
   return Fp8Run(spec, selected, state_in, stacks=stacks, grouped=grouped), decisions
 
 
+def prepare_grouped(env, jaxpr, config) -> tuple[Fp8Run | None, list[Decision] | None]:
+  """The Fp8Run of a program whose dense fp8 GEMMs come from a model's fp8 layers
+  (`precision.flax.apply_recipe`: the plan's spec, its `fp8` None): its grouped GEMMs
+  (ragged_dot experts, which hold their weights as plain params: no layer to replace)
+  run fp8 here, one scale per expert group from this step's amaxes (no state, under every
+  per-tensor scaling, delayed included), microscaled blocks within groups under mxfp8, by
+  `decide`'s rules but `keep_first_last` (an expert GEMM is neither the model's
+  embedding nor its head; the layers kept theirs). (None, None) for a program without
+  grouped GEMMs: the program runs exactly as without this."""
+  sites = [s for s in find_sites(env, jaxpr) if s.grouped]
+  if not sites:
+    return None, None
+  decisions = decide(env, sites, dataclasses.replace(config, keep_first_last=False), False)
+  selected = {d.site.path: d.site.key for d in decisions if d.fp8}
+  if not selected:
+    return None, decisions
+  spec = _kernels()[0].Fp8Spec.from_config(config)
+  return Fp8Run(spec, selected, None, grouped=frozenset(selected)), decisions
+
+
 def dot(env, eqn, invals, path: tuple):
   """The fp8 GEMM of a selected site: `fp8_dot_general` on the operands as they arrive
   (any float dtype: the quantisation divides in f32), the result in the compute dtype (or
