@@ -49,8 +49,9 @@ FP32_OP_PRIMITIVES: dict[str, tuple[str, ...]] = {
     # An MoE router: the GEMM whose result reaches a top_k / argmax that dispatches tokens
     # (precision._autocast._router finds it) computed f32 x f32 -> f32, so the top-k, the
     # softmax and the gating weights after it run on f32 logits: bf16 logits tie where
-    # f32's differ and route tokens differently. ROUTER_GEMM is no JAX primitive; the
-    # interpreter reads it as the request.
+    # f32's differ and route tokens differently. Its gradient GEMMs run f32 too, also in a
+    # function that takes its own gradient (autocast(jax.grad(f))). ROUTER_GEMM is no JAX
+    # primitive; the interpreter reads it as the request.
     "router": (ROUTER_GEMM, "top_k", "argmax", "argmin"),
 }
 

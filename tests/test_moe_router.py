@@ -9,6 +9,8 @@ fp32, f32 logits route them as fp32 does; fp32 stays bit-identical; an override 
 router's scope governs it; an argmax for a metric makes no router.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,3 +158,83 @@ def test_zoo_mixtral_decoder_under_apply_recipe_keeps_its_routers_in_f32():
   assert sum(g.direction == "fwd" for g in router) == 2, router
   rest = {g.signature() for g in prog.gemms if "/router/" not in g.name}
   assert rest == {("bf16", "bf16", "f32")}, rest
+
+
+def test_sub_operands_give_each_loop_body_the_operands_it_takes():
+  """The container walk the router finder and the fp8 site finder share: a while's cond
+  takes its own consts and the carry (not the body's consts), its body the body's consts
+  and the carry; a cond's branches every operand but the index (checked by the avals)."""
+  from precision._autocast import _fp8
+
+  def f(a, b, x):
+    x = lax.while_loop(lambda c: jnp.sum(c * a) < 1e3, lambda c: c * b[0], x)
+    return lax.cond(x[0] > 0, lambda y, z: y + z[0], lambda y, z: y - z[0], x, b)
+
+  a, b, x = jnp.ones(()) * 2, jnp.ones((3, 2)), jnp.ones((2,))
+  eqns = {e.primitive.name: e for e in jax.make_jaxpr(f)(a, b, x).jaxpr.eqns}
+  for name in ("while", "cond"):
+    eqn = eqns[name]
+    for k, sub, _ in _fp8.sub_jaxprs(eqn):
+      got = [v.aval for v in _fp8.sub_operands(eqn, k, eqn.invars)]
+      assert got == [v.aval for v in sub.invars], (name, k, got)
+
+
+def _layers(stacked, x):
+  """Two MoE layers scanned over (the backward pass is a second scan)."""
+  def body(h, p):
+    return h + _moe(p, h)[0], None
+  return jnp.sum(lax.scan(body, x, stacked)[0])
+
+
+def _layout(kind):
+  params, x = _args()
+  if kind == "scan":
+    return _layers, (jax.tree.map(lambda a: jnp.stack([a, a]), params), x)
+  if kind == "remat":
+    return (lambda p, x: jax.checkpoint(lambda p, x: _moe(p, x)[0])(p, x)), (params, x)
+  return (lambda p, x: _moe(p, x)[0]), (params, x)
+
+
+def _by_router(prog):
+  """Counter of (in the router's scope, direction, signature) over the GEMMs."""
+  return collections.Counter(("router" in g.name, g.direction, g.signature())
+                             for g in prog.gemms)
+
+
+@pytest.mark.parametrize("kind", ["plain", "scan", "remat"])
+def test_router_gradient_gemms_are_f32_when_autocast_takes_the_gradient(kind):
+  """autocast(jax.grad(f)): the router's forward GEMM and both its gradient GEMMs (x's
+  and r's: jax.grad over both) f32 x f32 -> f32 in the CUDA lowering, every other GEMM
+  bf16 x bf16 -> f32 - the GEMMs jax.grad(autocast(f)) gives, in a scan over layers and
+  under remat too."""
+  f, args = _layout(kind)
+  inner = mp.autocast(jax.grad(f, argnums=(0, 1)), "bf16_mixed", fp32_ops=ROUTER_OPS)
+  got = _by_router(lower(inner, *args, platform="cuda"))
+  outer = jax.grad(mp.autocast(f, "bf16_mixed", fp32_ops=ROUTER_OPS), argnums=(0, 1))
+  assert got == _by_router(lower(outer, *args, platform="cuda")), got
+  f32, bf16 = ("f32", "f32", "f32"), ("bf16", "bf16", "f32")
+  assert {(d, s) for r, d, s in got if r} == {("fwd", f32), ("bwd", f32)}, got
+  assert got[(True, "bwd", f32)] == 2, got  # the dlhs and the drhs
+  assert {s for r, _, s in got if not r} == {bf16}, got
+  # Without the op the router's gradient GEMMs are bf16 (the test can fail).
+  plain = _by_router(lower(mp.autocast(jax.grad(f, argnums=(0, 1)), "bf16_mixed"), *args,
+                           platform="cuda"))
+  assert {s for r, _, s in plain if r} == {bf16}, plain
+
+
+def test_fp32_router_op_on_a_function_that_takes_its_gradient_is_bit_identical():
+  f, args = _layout("plain")
+  g = jax.grad(f, argnums=(0, 1))
+  assert_bit_identical(mp.autocast(g, "fp32", fp32_ops=ROUTER_OPS)(*args), g(*args))
+
+
+def test_router_gradients_without_a_traceback_to_match_are_refused(monkeypatch):
+  """Where the router's gradient GEMMs cannot be told apart (no traceback on its GEMM),
+  autocast(jax.grad(f)) is refused in one line naming the composition that works."""
+  from precision._autocast import _router
+  monkeypatch.setattr(_router, "_frames", lambda eqn: None)
+  f, args = _layout("plain")
+  with pytest.raises(ValueError, match=r"jax.grad\(precision.autocast\(f, recipe") as e:
+    mp.autocast(jax.grad(f), "bf16_mixed", fp32_ops=ROUTER_OPS)(*args)
+  assert "\n" not in str(e.value)
+  mp.autocast(f, "bf16_mixed", fp32_ops=ROUTER_OPS)(*args)  # its own forward: no refusal

@@ -340,6 +340,10 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   if spec.fp8 is not None:
     env.fp8, decisions = _fp8.prepare(env, closed.jaxpr, spec.fp8, spec.fp8_state,
                                       fp8_state, check_state=evaluate)
+  elif spec.recipe is not None and spec.recipe.fp8 is not None:
+    # An fp8 plan's own spec (a model marked by apply_recipe, data_parallel's step): the
+    # model's fp8 layers run its dense fp8 GEMMs; its grouped GEMMs run fp8 here.
+    env.fp8, decisions = _fp8.prepare_grouped(env, closed.jaxpr, spec.recipe.fp8)
   if not evaluate:
     return Traced(None, [], env, None, decisions)
   in_flat = jax.tree_util.tree_leaves((node_state, arrays))

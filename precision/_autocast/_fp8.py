@@ -116,10 +116,12 @@ def _closed(j):
   return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, [])
 
 
-def sub_jaxprs(eqn) -> list[tuple[int, Any, str | None]]:
+def sub_jaxprs(eqn, platform_branches: bool = False) -> list[tuple[int, Any, str | None]]:
   """(sub-jaxpr index, jaxpr, kind) of a container equation the interpreter evaluates;
   kind None for inline bodies (jit), else scan, while, cond or remat. The indices are
-  those the interpreter appends to a container's path (see _interpret._container)."""
+  those the interpreter appends to a container's path (see _interpret._container).
+  `platform_branches`: a `lax.platform_dependent` cond's branches too (kind "cond"; the
+  interpreter binds such a cond as written, but values flow through its branches)."""
   name, p = eqn.primitive.name, eqn.params
   if name in ("jit", "pjit", "closed_call", "core_call"):
     return [(0, _closed(p.get("jaxpr", p.get("call_jaxpr")))[0], None)]
@@ -128,11 +130,25 @@ def sub_jaxprs(eqn) -> list[tuple[int, Any, str | None]]:
   if name == "while":
     return [(0, _closed(p["cond_jaxpr"])[0], "while"),
             (1, _closed(p["body_jaxpr"])[0], "while")]
-  if name == "cond" and not p.get("branches_platforms"):
+  if name == "cond" and (platform_branches or not p.get("branches_platforms")):
     return [(k, _closed(b)[0], "cond") for k, b in enumerate(p["branches"])]
   if name in ("remat2", "checkpoint"):
     return [(0, _closed(p["jaxpr"])[0], "remat")]
   return []  # custom_jvp_call (primal and rule are separate programs), platform cond
+
+
+def sub_operands(eqn, k: int, xs: list) -> list:
+  """The entries of `xs` (one per invar of the container `eqn`) that its sub-jaxpr `k`
+  (numbering of `sub_jaxprs`) takes as its invars, in order: a while's cond takes its
+  own consts and the carry (not the body's consts), its body the body's consts and the
+  carry; a cond's branches all operands but the index; other bodies all operands."""
+  name, p = eqn.primitive.name, eqn.params
+  if name == "while":
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    return list(xs[:cn]) + list(xs[cn + bn:]) if k == 0 else list(xs[cn:])
+  if name == "cond":
+    return list(xs[1:])
+  return list(xs)
 
 
 def _kernels():
@@ -411,6 +427,26 @@ def prepare(env, jaxpr, config, stateful: bool, state: Any, check_state: bool = 
     _check_state(state, list(stacks), spec, stacks)
   state_in = dict(state) if stateful and state is not None else None
   return Fp8Run(spec, selected, state_in, stacks=stacks, grouped=grouped), decisions
+
+
+def prepare_grouped(env, jaxpr, config) -> tuple[Fp8Run | None, list[Decision] | None]:
+  """The Fp8Run of a program whose dense fp8 GEMMs come from a model's fp8 layers
+  (`precision.flax.apply_recipe`: the plan's spec, its `fp8` None): its grouped GEMMs
+  (ragged_dot experts, which hold their weights as plain params: no layer to replace)
+  run fp8 here, one scale per expert group from this step's amaxes (no state, under every
+  per-tensor scaling, delayed included), microscaled blocks within groups under mxfp8, by
+  `decide`'s rules but `keep_first_last` (an expert GEMM is neither the model's
+  embedding nor its head; the layers kept theirs). (None, None) for a program without
+  grouped GEMMs: the program runs exactly as without this."""
+  sites = [s for s in find_sites(env, jaxpr) if s.grouped]
+  if not sites:
+    return None, None
+  decisions = decide(env, sites, dataclasses.replace(config, keep_first_last=False), False)
+  selected = {d.site.path: d.site.key for d in decisions if d.fp8}
+  if not selected:
+    return None, decisions
+  spec = _kernels()[0].Fp8Spec.from_config(config)
+  return Fp8Run(spec, selected, None, grouped=frozenset(selected)), decisions
 
 
 def dot(env, eqn, invals, path: tuple):

@@ -17,9 +17,22 @@ columns), so f32 costs nothing measurable.
 `router_gemms(jaxpr)` returns the interpreter paths of those GEMMs (the numbering of
 `_interpret.eval_jaxpr`: equation indices, each container's followed by its sub-jaxpr's
 index), found through jit/pjit, remat and scan/while/cond bodies.
+
+A program that holds its own backward pass (``autocast(jax.grad(f), ...)``) has the
+router's gradient GEMMs as plain dot_generals of its own; they are routers too, so that
+they run f32 as those of ``jax.grad(autocast(f, ...))`` do (JAX's transpose of the f32
+router GEMM). They are found by what JAX's transpose gives them: the forward GEMM's
+traceback (the Python stack it was traced at; JAX binds a GEMM's gradient GEMMs under it)
+and its shapes (the cotangent, of the forward result's shape, against one of the forward
+operands), in a backward name stack ("transpose(") - in whatever container JAX put them
+(a scan over layers' backward scan, a remat's recomputation). A program with backward
+GEMMs whose router GEMM has no traceback to match them by is refused, naming the
+composition that gives f32 router gradients.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 
@@ -38,17 +51,12 @@ _PASS = R.POLYMORPHIC | frozenset(R.PROMOTING)
 
 
 def _subs(eqn) -> list:
-  """(sub-jaxpr, path index, offset of its first invar among the eqn's invars, outputs map
-  to the eqn's) for each sub-jaxpr of a container."""
-  p, name = eqn.params, eqn.primitive.name
-  if name in ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "scan"):
-    j = p.get("jaxpr", p.get("call_jaxpr"))
-    return [(j, 0, 0, True)]
-  if name == "while":
-    return [(p["cond_jaxpr"], 0, 0, False), (p["body_jaxpr"], 1, p["cond_nconsts"], True)]
-  if name == "cond":
-    return [(b, k, 1, True) for k, b in enumerate(p["branches"])]
-  return []
+  """(sub-jaxpr, path index, the eqn's invars its invars take, whether its outvars are
+  the eqn's outvars) for each sub-jaxpr of a container: the interpreter's numbering
+  (`_fp8.sub_jaxprs`), a platform-dependent cond's branches included (values flow through
+  them), a while's cond the one body whose outputs are not the loop's."""
+  return [(sub, k, _fp8.sub_operands(eqn, k, eqn.invars), not (kind == "while" and k == 0))
+          for k, sub, kind in _fp8.sub_jaxprs(eqn, platform_branches=True)]
 
 
 def _is_var(v) -> bool:
@@ -82,8 +90,8 @@ def _has_gemm(jaxpr) -> bool:
   return any(_fp8.has_gemm(eqn, memo) for eqn in _jaxpr(jaxpr).eqns)
 
 
-def _walk(jaxpr, path: tuple, needed_outs: set, found: set) -> set:
-  """Adds to `found` the router GEMMs of `jaxpr` (at `path`); returns the indices of its
+def _walk(jaxpr, path: tuple, needed_outs: set, found: dict) -> set:
+  """Adds to `found` the router GEMMs of `jaxpr` (path -> equation); returns the indices of its
   invars whose values reach a routing decision (of its own, or through the outputs
   `needed_outs` of the enclosing program)."""
   jaxpr = _jaxpr(jaxpr)
@@ -98,14 +106,14 @@ def _walk(jaxpr, path: tuple, needed_outs: set, found: set) -> set:
       continue
     subs = _subs(eqn)
     if subs:
-      for sub, k, offset, maps_outs in subs:
+      for sub, k, operands, maps_outs in subs:
         ins = _walk(sub, path + (i, k), set(outs_needed) if maps_outs else set(), found)
-        needed.update(_float_vars(eqn.invars[offset + n] for n in ins))
+        needed.update(_float_vars(operands[n] for n in ins))
       continue
     if not outs_needed:
       continue
     if name in R.GEMMS:
-      found.add(path + (i,))
+      found[path + (i,)] = eqn
     elif name in _PASS or (name == "custom_jvp_call"
                            and not _has_gemm(eqn.params["call_jaxpr"])):
       # A custom_jvp (jax.nn.softmax, relu) without a GEMM inside passes its logits on.
@@ -113,8 +121,66 @@ def _walk(jaxpr, path: tuple, needed_outs: set, found: set) -> set:
   return {n for n, v in enumerate(jaxpr.invars) if v in needed}
 
 
+_JAX_DIRS = tuple(os.sep + d + os.sep for d in ("jax", "jaxlib"))
+
+
+def _frames(eqn) -> tuple | None:
+  """(file, line, function) of the frames `eqn` was traced at outside JAX's own code
+  (which differs between a GEMM and the gradient GEMMs JAX binds under its traceback);
+  None when the equation has no traceback."""
+  tb = eqn.source_info.traceback
+  if tb is None:
+    return None
+  return tuple((f.file_name, f.line_num, f.function_name) for f in tb.frames
+               if not any(d in f.file_name for d in _JAX_DIRS))
+
+
+def _shape(v) -> tuple:
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def _gradient_shapes(eqn) -> set:
+  """The operand shapes (sorted pair) of the gradient GEMMs JAX's transpose gives a
+  forward GEMM: the cotangent (of the result's shape) against one forward operand."""
+  out = _shape(eqn.outvars[0])
+  return {tuple(sorted((out, _shape(v)))) for v in eqn.invars[:2]}
+
+
+def _gemms(jaxpr, path: tuple, prefix: str):
+  """(path, equation, is-backward) of every dot_general of `jaxpr`, its containers'
+  bodies included (the interpreter's paths; name stacks joined as it joins them)."""
+  for i, eqn in enumerate(_jaxpr(jaxpr).eqns):
+    raw = "/".join(s for s in (prefix, str(eqn.source_info.name_stack)) if s)
+    if eqn.primitive.name == "dot_general":
+      yield path + (i,), eqn, R.scope_of(raw)[1]
+    for sub, k, _, _ in _subs(eqn):
+      yield from _gemms(sub, path + (i, k), raw)
+
+
+def _backward_of(jaxpr, routers: dict) -> set:
+  """The paths of the router GEMMs' gradient GEMMs in `jaxpr` (see the module
+  docstring)."""
+  backward = [(p, e) for p, e, bwd in _gemms(jaxpr, (), "") if bwd and p not in routers]
+  if not backward or not routers:
+    return set()
+  want: dict = {}
+  for eqn in routers.values():
+    frames = _frames(eqn)
+    if not frames:
+      raise ValueError(
+          "autocast with the 'router' f32 op on a function that takes its own gradient: "
+          "its router GEMM has no traceback to find its gradient GEMMs by, which would run "
+          "in the compute dtype; differentiate the autocast function instead: "
+          "jax.grad(precision.autocast(f, recipe, fp32_ops=...)), not "
+          "precision.autocast(jax.grad(f), ...)")
+    want.setdefault(frames, set()).update(_gradient_shapes(eqn))
+  return {p for p, e in backward
+          if tuple(sorted(_shape(v) for v in e.invars[:2])) in want.get(_frames(e), ())}
+
+
 def router_gemms(jaxpr) -> frozenset:
-  """The interpreter paths of the router GEMMs of `jaxpr` (see the module docstring)."""
-  found: set = set()
+  """The interpreter paths of the router GEMMs of `jaxpr` and of their gradient GEMMs
+  where `jaxpr` holds its own backward pass (see the module docstring)."""
+  found: dict = {}
   _walk(jaxpr, (), set(), found)
-  return frozenset(found)
+  return frozenset(found) | frozenset(_backward_of(jaxpr, found))

@@ -30,8 +30,9 @@ def gemm_table(report, max_rows: int = 40) -> str:
            f"{short_dtype(g.acc_dtype)} -> {short_dtype(g.out_dtype)}") + (
                " fp8" if g.is_fp8 else "")
     times = f" x{g.count}" if g.count > 1 else ""
+    groups = f" ({g.grouped})" if g.groups else ""
     lines.append(f"{g.direction:<4} {sig:<28} {_si(g.flops):>9}  {g.scope[-22:]:<22} "
-                 f"{g.shape}{times}  {g.location}")
+                 f"{g.shape}{times}{groups}  {g.location}")
   if len(report.gemms) > max_rows:
     lines.append(f"... {len(report.gemms) - max_rows} more GEMMs")
   return "\n".join(lines)
@@ -49,6 +50,12 @@ def precision_map(report) -> str:
     if sigs:
       rows.append((f"GEMM {direction}", _counter_str(
           sigs, lambda s: f"{s[0]} x {s[1]} in, {s[2]} accumulate, {s[3]} out")))
+  grouped = collections.Counter(
+      (g.role, g.groups, short_dtype(g.lhs_dtype), short_dtype(g.rhs_dtype),
+       short_dtype(g.acc_dtype)) for g in report.gemms if g.groups for _ in range(g.count))
+  if grouped:
+    rows.append(("GEMM grouped", _counter_str(
+        grouped, lambda k: f"{k[0]} {k[2]} x {k[3]} -> {k[4]} ({k[1]} groups)")))
   fp8 = [g for g in report.gemms if g.is_fp8]
   if fp8:
     rows.append(("GEMM fp8", f"{sum(g.count for g in fp8)} GEMMs with float8 operands"))

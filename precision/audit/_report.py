@@ -48,7 +48,9 @@ class PrecisionReport:
 
   Attributes:
     name: the function's name.
-    gemms: GemmRecord per dot_general / convolution (forward and backward).
+    gemms: GemmRecord per dot_general / convolution / grouped GEMM (forward and
+      backward; a grouped GEMM, `lax.ragged_dot`, is one record with its group count and
+      role: fwd, dlhs or drhs).
     ops: OpRecord per reduction and transcendental (exp, log, ...).
     converts: ConvertRecord per convert_element_type.
     bytes_by_dtype: bytes of all intermediate values by dtype name (an upper bound on
@@ -87,6 +89,11 @@ class PrecisionReport:
     """GEMMs whose scope (module path) matches an fnmatch pattern."""
     return [g for g in self.gemms if fnmatch.fnmatchcase(g.scope, pattern)]
 
+  def grouped_gemms(self, role: str | None = None) -> list[GemmRecord]:
+    """The grouped GEMMs (`lax.ragged_dot`: an MoE layer's experts), optionally of one
+    role: "fwd", "dlhs" (the tokens' gradient) or "drhs" (the experts' weights')."""
+    return [g for g in self.gemms if g.groups and role in (None, g.role)]
+
   def convert_counts(self) -> collections.Counter:
     return collections.Counter(
         (_short(c.from_dtype), _short(c.to_dtype)) for c in self.converts for _ in range(c.count))
@@ -113,7 +120,9 @@ class PrecisionReport:
                         if not isinstance(r.key, str)}
     found = []
     for g in self.gemms:
-      where = f"{g.direction} {g.primitive} {g.shape} at {g.location or '?'} [{g.scope}]"
+      groups = f" ({g.grouped})" if g.groups else ""
+      where = (f"{g.direction} {g.primitive}{groups} {g.shape} at {g.location or '?'} "
+               f"[{g.scope}]")
       if _below_f32(g.acc_dtype) and _is_float(g.acc_dtype):
         found.append(f"GEMM accumulates in {_short(g.acc_dtype)} (< f32): {where}")
       if g.is_fp8:
@@ -154,7 +163,8 @@ class PrecisionReport:
       if got != want:
         found.append(f"fp8 {g.direction} GEMM operands {_short(g.lhs_dtype)} x "
                      f"{_short(g.rhs_dtype)}, expected {' x '.join(_short(w) for w in want)} "
-                     f"(recipe {name}): {g.primitive} {g.shape} at "
+                     f"(recipe {name}): {g.primitive}"
+                     f"{f' ({g.grouped})' if g.groups else ''} {g.shape} at "
                      f"{g.location or '?'} [{g.scope}]")
     has_bwd = any(g.direction == "bwd" for g in self.gemms)
     if n["fwd"] and has_bwd and not n["bwd"]:

@@ -29,7 +29,14 @@ _WRAPPERS = re.compile(r"\b(?:transpose|jvp|vmap|remat|checkpoint|pjit|jit|vjp)\
 
 
 class GemmRecord(NamedTuple):
-  """One GEMM (dot_general or convolution) of the traced function."""
+  """One GEMM (dot_general, convolution or grouped GEMM) of the traced function.
+
+  A grouped GEMM (`lax.ragged_dot` / `ragged_dot_general`: an MoE layer's experts) is one
+  record for all its groups: the group sizes are runtime values, the group count is not.
+  `groups` is that count, `ragged` says which dimension the groups split ("rows": a
+  non-contracting one, one weight per group: the forward GEMM and JAX's dlhs; "contraction":
+  the contracting one, one result per group: JAX's drhs), and `role` names it.
+  """
   primitive: str        # "dot_general" | "conv_general_dilated" | ...
   lhs_dtype: str
   rhs_dtype: str
@@ -42,10 +49,29 @@ class GemmRecord(NamedTuple):
   direction: str        # "fwd" | "bwd"
   location: str         # user source "file.py:123 (function)"
   op: str               # enclosing precision.ops / flax / jax.nn function, or ""
+  groups: int = 0       # a grouped GEMM's group (expert) count; 0 for the others
+  ragged: str = ""      # grouped GEMMs: "rows" | "contraction" | "batch" (see above)
 
   @property
   def is_fp8(self) -> bool:
     return self.lhs_dtype.startswith("float8") or self.rhs_dtype.startswith("float8")
+
+  @property
+  def role(self) -> str:
+    """A grouped GEMM's part in the MoE layer's step: "fwd" (a forward one), "dlhs" (a
+    backward one whose groups split its rows: the gradient of the tokens), "drhs" (a
+    backward one whose groups split the contraction: the per-expert weight gradients);
+    "" for a GEMM that is not grouped."""
+    if not self.groups:
+      return ""
+    if self.direction == "fwd":
+      return "fwd"
+    return "drhs" if self.ragged == "contraction" else "dlhs"
+
+  @property
+  def grouped(self) -> str:
+    """"4 groups, drhs" for a grouped GEMM (what the table and `check` print), else ""."""
+    return f"{self.groups} groups, {self.role}" if self.groups else ""
 
 
 class OpRecord(NamedTuple):
@@ -141,7 +167,32 @@ def _gemm_flops(eqn) -> int:
     rhs = eqn.invars[1].aval
     out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
     return 2 * int(np.prod(out.shape)) * int(np.prod(rhs.shape)) // rhs.shape[out_feature_dim]
+  if eqn.primitive.name == "ragged_dot_general":
+    # Every row of the ragged dimension belongs to one group, so a grouped GEMM costs what
+    # one group's dense GEMM over all rows costs (rows past sum(group_sizes) included: the
+    # static bound). Groups splitting the contraction give one result per group: the
+    # result counts each output element once per group, the products once.
+    rn = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, _), _ = rn.dot_dimension_numbers
+    lhs = eqn.invars[0].aval
+    k = int(np.prod([lhs.shape[i] for i in lc])) if lc else 1
+    per_group = _ragged_kind(eqn) == "contraction"
+    return 2 * int(np.prod(out.shape)) * k // (_groups(eqn) if per_group else 1)
   return 0
+
+
+def _groups(eqn) -> int:
+  """The group count of a ragged_dot_general (group_sizes' last dimension)."""
+  return int(eqn.invars[2].aval.shape[-1])
+
+
+def _ragged_kind(eqn) -> str:
+  """Which dimension of lhs a ragged_dot_general's groups split: "rows" (a free one),
+  "contraction" or "batch"."""
+  rn = eqn.params["ragged_dot_dimension_numbers"]
+  (lc, _), (lb, _) = rn.dot_dimension_numbers
+  dim = rn.lhs_ragged_dimensions[0]
+  return "contraction" if dim in lc else "batch" if dim in lb else "rows"
 
 
 def _subjaxprs(eqn):
@@ -236,9 +287,11 @@ def walk(jaxpr, mult: int = 1, acc: Walk | None = None, outer: str = "") -> Walk
       out = eqn.outvars[0].aval
       pref = eqn.params.get("preferred_element_type")
       acc_dtype = np.dtype(pref).name if pref is not None else _dtype(out)
+      ragged = name == "ragged_dot_general"
       acc.gemms.append(GemmRecord(
           name, _dtype(lhs), _dtype(rhs), acc_dtype, _dtype(out), _gemm_flops(eqn) * mult,
-          mult, f"{_short(lhs)} x {_short(rhs)} -> {_short(out)}", scope, direction, loc, op))
+          mult, f"{_short(lhs)} x {_short(rhs)} -> {_short(out)}", scope, direction, loc, op,
+          _groups(eqn) if ragged else 0, _ragged_kind(eqn) if ragged else ""))
     elif name == "convert_element_type":
       src, dst = eqn.invars[0].aval, eqn.outvars[0].aval
       if not (hasattr(src, "dtype") and hasattr(dst, "dtype")) or src.dtype == dst.dtype:

@@ -22,7 +22,11 @@ def apply_recipe(module: nnx.Module, recipe: Any,
   (`apply_policy`); then, when the recipe has an fp8 config,
   `precision.fp8.apply_fp8(module, recipe.fp8, recipe.policy)`: the model's nnx.Linear /
   LinearGeneral / Einsum layers outside `recipe.fp8.keep_high_precision` get fp8 GEMMs
-  with their scaling state; every other GEMM follows the policy. The model is marked with
+  with their scaling state; grouped GEMMs (`lax.ragged_dot` experts on plain params) run
+  fp8 under the mark, one scale per expert group from each step's amaxes (no state;
+  microscaled blocks within groups under mxfp8; compute dtype under nvfp4), by the fp8
+  config's keep_high_precision and overrides; every other GEMM follows the policy. The
+  model is marked with
   the plan's autocast spec: trained by `precision.parallel.data_parallel` with the same
   plan (or the same recipe: the model's overrides are then applied), its GEMMs run in the
   dtypes of its own calls; with another recipe the step is refused.
