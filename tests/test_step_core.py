@@ -1,21 +1,40 @@
-"""The one training-step core (precision._step_core): `train_step` on an NNX model and the
-data-parallel per-device step end each step there, so on the same model, recipe and
-batches they skip the same step and roll its fp8 scaling state back bit for bit with the
-params and moments (the data-parallel step kept a skipped step's amax histories before it
-took the core). Their params are not compared bit for bit: they are the same arithmetic
-in two compiled programs, and XLA:CPU contracts multiply-adds into FMAs fusion by fusion
-(tests/test_optim_inplace.py); through fp8 quantisation such a last-bit difference grows
-over the steps (measured: up to 36 ulp after 3 steps)."""
+"""The one training-step core (precision._step_core): `train_step` on an NNX model, the
+study's programs and the data-parallel per-device step end each step there.
+
+`test_every_path_takes_the_same_step_bit_for_bit`: on the same initial params and the
+same batches, under a recipe with dynamic loss scaling (f16_mixed) and one with fp8
+delayed-scaling state (fp8_hybrid), with a batch holding an inf (the step is skipped),
+the params, the optimizer state (loss scale, skip counters, moments) and the fp8 scaling
+state after the steps are the same bits through `jit_train_step`, the study's cell step
+(`Program.step`), the study's seed-batched program (`Program.core` under `jax.vmap`), the
+study's params-kind cell (a param pytree under `precision.autocast`; f16 only, see the
+test) and the data-parallel step on one device. The optimizer is SGD with a power-of-two
+learning rate: its update ``p - lr * g`` then holds no rounded product, so the FMA
+contraction XLA:CPU makes fusion by fusion (tests/test_optim_inplace.py) cannot change a
+bit. With Adam the same arithmetic compiles to different code in these programs (measured
+with adamw(1e-2), 3 steps: the data-parallel fp8 step's second moments ``b2 * nu + (1 - b2)
+* g * g`` differ from train_step's while its first moments, hence its gradients, are
+equal; the vmapped study program's params differ with all moments equal), which the core
+does not decide.
+
+`test_train_step_and_the_data_parallel_step_take_the_same_step`: the eager `train_step`
+(each op compiled apart, so its params are not compared bit for bit: measured up to 36 ulp
+after 3 fp8 steps) skips the same step as the data-parallel step and rolls its fp8 scaling
+state back (the data-parallel step kept a skipped step's amax histories before it took the
+core)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
 import precision as mp
 from precision import parallel
+from precision.study import Task
+from precision.study import _models as study_models
 
 STEPS = 3
 NONFINITE_AT = 1   # the step whose batch holds an inf: the optimizer skips it
@@ -94,3 +113,134 @@ def test_train_step_and_the_data_parallel_step_take_the_same_step():
                         "data-parallel fp8 state after the skipped step")
 
   assert int(mp.optim.optimizer_metrics(state.opt_state)["skipped_steps"]) == 1
+
+
+# --------------------------------------------------------------- every path, bit for bit
+
+SGD_LR = 2.0 ** -6   # a power of two: lr * g is exact, so no contraction changes a bit
+
+
+def _recipe_of(name):
+  if name == "f16_mixed":
+    return mp.get_recipe("f16_mixed")
+  # Both GEMMs in fp8 (not the first and last kept in bf16), so every path has fp8 state.
+  return mp.get_recipe("fp8_hybrid").replace(fp8=mp.Fp8Config(
+      scaling="delayed", amax_history_len=4, keep_first_last=False))
+
+
+def _f32_model(seed):
+  del seed  # one model for every path
+  return nnx.Sequential(nnx.Linear(16, 32, use_bias=False, rngs=nnx.Rngs(0)),
+                        nnx.Linear(32, 8, use_bias=False, rngs=nnx.Rngs(1)))
+
+
+def _nnx_loss(m, batch):
+  return _mse(m(batch["x"]), batch)
+
+
+def _params_loss(params, batch):
+  # The same GEMMs as the NNX model's, on its kernels as a list.
+  return _mse(jnp.dot(jnp.dot(batch["x"], params[0]), params[1]), batch)
+
+
+def _task(init, loss):
+  return Task(init=init, loss=loss, batches=lambda seed: iter(_batches()),
+              optimizer=optax.sgd(SGD_LR), eval_batches=lambda: _batches()[:1])
+
+
+def _through_jit_train_step(recipe):
+  model = mp.flax.apply_recipe(_f32_model(0), recipe)
+  tx = mp.optim.build_optimizer(recipe, optax.sgd(SGD_LR))
+  opt_state = tx.init(nnx.state(model, nnx.Param))
+  step = mp.jit_train_step(model, tx, _nnx_loss)
+  for batch in _batches():
+    _, opt_state = step(opt_state, batch)
+  return (nnx.state(model, nnx.Param), opt_state,
+          jax.tree.map(np.asarray, nnx.state(model, mp.fp8.Fp8State)))
+
+
+def _fp8_of(prog, state):
+  return nnx.state(nnx.merge(prog.graphdef, state.params, state.model_state),
+                   mp.fp8.Fp8State)
+
+
+def _through_study_step(recipe):
+  prog = study_models.build(_task(_f32_model, _nnx_loss), recipe, 0)
+  state = prog.state
+  for t, batch in enumerate(_batches()):
+    state, _ = prog.step(state, batch, jnp.asarray(t, jnp.int32))
+  return state.params, state.opt_state, _fp8_of(prog, state)
+
+
+def _through_study_seed_batch(recipe):
+  # One seed stacked, as precision.study._batched stacks many.
+  prog = study_models.build(_task(_f32_model, _nnx_loss), recipe, 0)
+  stack = lambda tree: jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
+  state = stack(prog.state)
+  core = jax.jit(jax.vmap(prog.core))
+  for t, batch in enumerate(_batches()):
+    state, _ = core(state, stack(batch), jnp.asarray([t], jnp.int32),
+                    jnp.asarray([0], jnp.uint32))
+  state = jax.tree.map(lambda x: x[0], state)
+  return state.params, state.opt_state, _fp8_of(prog, state)
+
+
+def _through_study_params_kind(recipe):
+  kernels = lambda seed: [np.asarray(k) for k in
+                          jax.tree.leaves(nnx.state(_f32_model(seed), nnx.Param))]
+  prog = study_models.build(_task(kernels, _params_loss), recipe, 0)
+  state = prog.state
+  for t, batch in enumerate(_batches()):
+    state, _ = prog.step(state, batch, jnp.asarray(t, jnp.int32))
+  return state.params, state.opt_state, None
+
+
+def _through_data_parallel(recipe):
+  model = mp.flax.apply_recipe(_f32_model(0), recipe)
+  graphdef, params, fp8_state = nnx.split(model, nnx.Param, mp.fp8.Fp8State)
+  has_fp8 = bool(jax.tree.leaves(fp8_state))
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  if has_fp8:
+    def loss(params, fp8_state, batch):
+      m = nnx.merge(graphdef, params, fp8_state)
+      return _nnx_loss(m, batch), nnx.state(m, mp.fp8.Fp8State)
+    dp = parallel.data_parallel(loss, optax.sgd(SGD_LR), mesh, zero_stage=0, recipe=recipe,
+                                fp8_state=True)
+    state = dp.init(jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, fp8_state))
+  else:
+    loss = lambda params, batch: _nnx_loss(nnx.merge(graphdef, params, fp8_state), batch)
+    dp = parallel.data_parallel(loss, optax.sgd(SGD_LR), mesh, zero_stage=0, recipe=recipe)
+    state = dp.init(jax.tree.map(np.asarray, params))
+  for batch in _batches():
+    state, _ = dp.step(state, dp.shard_batch(batch))
+  return state.params, state.opt_state, state.fp8_state if has_fp8 else fp8_state
+
+
+@pytest.mark.parametrize("name", ["f16_mixed", "fp8_delayed"])
+def test_every_path_takes_the_same_step_bit_for_bit(name):
+  recipe = _recipe_of(name)
+  params, opt_state, fp8_state = _through_jit_train_step(recipe)
+  metrics = mp.optim.optimizer_metrics(opt_state)
+  assert int(metrics["skipped_steps"]) == 1 and int(metrics["nonfinite_steps"]) == 1
+  if name == "f16_mixed":
+    # Dynamic loss scaling: the skipped step halved the scale.
+    init_scale = mp.optim.optimizer_metrics(mp.optim.build_optimizer(
+        recipe, optax.sgd(SGD_LR)).init(params))["loss_scale"]
+    assert float(metrics["loss_scale"]) == float(init_scale) / 2
+  else:
+    assert len(jax.tree.leaves(fp8_state)) == 24   # 2 GEMMs x 3 operands x 4 fields
+  paths = {"study step": _through_study_step, "study seed batch": _through_study_seed_batch,
+           "data-parallel step": _through_data_parallel}
+  if name == "f16_mixed":
+    # Not under fp8: the study's params kind runs the recipe through precision.autocast,
+    # whose fp8 GEMMs return the compute dtype (bf16), while an NNX fp8 layer under
+    # apply_recipe returns its f32 accumulator (Fp8DotGeneral's out_dtype under autocast):
+    # the next GEMM then quantises different values. A difference of the two
+    # interpreters, not of the step core.
+    paths["study params kind"] = _through_study_params_kind
+  for what, through in paths.items():
+    p, o, f = through(recipe)
+    _assert_same_bits(p, params, f"{what} params")
+    _assert_same_bits(o, opt_state, f"{what} optimizer state")
+    if f is not None:
+      _assert_same_bits(f, fp8_state, f"{what} fp8 state")
