@@ -324,7 +324,8 @@ def bind(recipe: Recipe | str, overrides: Mapping[Any, Any] | None = None,
     raise ValueError(f"recipe={recipe!r}; accepted: a Recipe or a preset name")
   recipe = get_recipe(recipe)
   spec = AutocastSpec.build(recipe.policy, overrides,
-                            recipe.fp32_ops if fp32_ops is None else fp32_ops, recipe=recipe)
+                            recipe.fp32_ops if fp32_ops is None else fp32_ops, recipe=recipe,
+                            grouped_fp8=recipe.fp8)
   opt = _optimizer_decisions(recipe)
   return Plan(recipe, spec, opt, recipe.fp8, MemoryLedger.of(opt), _gemm_dtypes(recipe, spec),
               recipe.reduce_dtype)

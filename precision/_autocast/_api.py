@@ -65,6 +65,7 @@ class AutocastSpec:
   recipe: Recipe | None = None
   fp8: Fp8Config | None = None
   fp8_state: bool = False
+  grouped_fp8: Fp8Config | None = None
 
   def describe(self) -> str:
     """One line for error messages: recipe (or policy), overrides, fp32 ops if not default.
@@ -149,10 +150,12 @@ class AutocastSpec:
   @classmethod
   def build(cls, policy: Policy | str, overrides: Mapping[Any, Any] | None = None,
             fp32_ops=None, *, module_base: type = object, recompute_f32: bool = True,
-            recipe: Recipe | None = None) -> AutocastSpec:
+            recipe: Recipe | None = None,
+            grouped_fp8: Fp8Config | None = None) -> AutocastSpec:
     """`make` for a policy (never a recipe name), recording `recipe` as the spec's origin,
-    without fp8 GEMMs of its own: the spec a Plan keeps and apply_recipe marks an NNX
-    model with (its fp8 GEMMs come from its fp8 layers)."""
+    without dense fp8 GEMMs of its own: the spec a Plan keeps and apply_recipe marks an
+    NNX model with (its dense fp8 GEMMs come from its fp8 layers; its grouped GEMMs run
+    fp8 by `grouped_fp8`)."""
     base = get_policy(policy)
     rules = _overrides.parse_overrides(overrides, module_base)
     for where, pol in [("policy", base)] + [(f"override {r.key!r}", r.policy) for r in rules]:
@@ -166,7 +169,7 @@ class AutocastSpec:
     fp32 = _fp32_ops.check_names(DEFAULT_FP32_OPS if fp32_ops is None else fp32_ops)
     if not isinstance(recompute_f32, bool):
       raise ValueError(f"recompute_f32={recompute_f32!r}; accepted: True or False")
-    return cls(base, rules, fp32, recompute_f32, recipe)
+    return cls(base, rules, fp32, recompute_f32, recipe, grouped_fp8=grouped_fp8)
 
 
 def refuse_fp8_recipe(policy: Any, where: str) -> None:
@@ -340,10 +343,10 @@ def run(spec: AutocastSpec, fn: Callable, args: tuple, kwargs: dict, *,
   if spec.fp8 is not None:
     env.fp8, decisions = _fp8.prepare(env, closed.jaxpr, spec.fp8, spec.fp8_state,
                                       fp8_state, check_state=evaluate)
-  elif spec.recipe is not None and spec.recipe.fp8 is not None:
+  elif spec.grouped_fp8 is not None:
     # An fp8 plan's own spec (a model marked by apply_recipe, data_parallel's step): the
     # model's fp8 layers run its dense fp8 GEMMs; its grouped GEMMs run fp8 here.
-    env.fp8, decisions = _fp8.prepare_grouped(env, closed.jaxpr, spec.recipe.fp8)
+    env.fp8, decisions = _fp8.prepare_grouped(env, closed.jaxpr, spec.grouped_fp8)
   if not evaluate:
     return Traced(None, [], env, None, decisions)
   in_flat = jax.tree_util.tree_leaves((node_state, arrays))
