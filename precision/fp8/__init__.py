@@ -55,12 +55,12 @@ from precision.fp8._scaling import OperandRecipe
 from precision.fp8._scaling import OperandState
 from precision.fp8._scaling import quantize
 from precision.fp8._scaling import scale_from_amax
-# Deprecated aliases (precision.value_and_grad, merge_grad_state replace them).
-from precision.fp8._deprecated import autocast_value_and_grad
+# Deprecated aliases (merge_grad_state replaces them). The deprecated `value_and_grad` and
+# `autocast_value_and_grad` (precision.value_and_grad replaces them) live above this
+# package, in precision/_deprecated_grads.py; precision/__init__.py attaches them here.
 from precision.fp8._deprecated import merge_fp8_grad_state
 from precision.fp8._deprecated import merge_state_grads
 from precision.fp8._deprecated import update_fp8_grad_state
-from precision.fp8._deprecated import value_and_grad
 
 __all__ = [
     "Fp8DotGeneral",

@@ -1,48 +1,22 @@
-"""Deprecated fp8 entry points, each a thin alias of its replacement (same bits).
+"""Deprecated fp8 merge entry points, each a thin alias of its replacement (same bits).
 
-`precision.value_and_grad` is the one value_and_grad (loss scaling, NNX fp8 state,
-explicit autocast state) and `precision.fp8.merge_grad_state` the one merge of the
-gradient-operand scaling state (NNX, Linen, autocast). The names below keep existing
-code working and warn (DeprecationWarning) with the call that replaces them.
+`precision.fp8.merge_grad_state` is the one merge of the gradient-operand scaling state
+(NNX, Linen, autocast). The names below keep existing code working and warn
+(DeprecationWarning) with the call that replaces them. (The deprecated fp8
+value_and_grads call `precision.value_and_grad`, above this package: they live in
+`precision/_deprecated_grads.py`.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 from flax import nnx
 
 from precision import _deprecation
-from precision import _grad
 from precision.fp8 import _merge
 from precision.fp8._dot import Fp8DotState
 from precision.fp8._nnx import Fp8GradState
-
-
-def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
-  """Deprecated: ``precision.value_and_grad(fn)`` (no optimizer state: the loss is not
-  scaled), which carries an NNX model's fp8 gradient-operand state the same way."""
-  _deprecation.warn("precision.fp8.value_and_grad(fn)", "precision.value_and_grad(fn)")
-  return _grad.value_and_grad(fn, None, has_aux=has_aux)
-
-
-def autocast_value_and_grad(fn: Callable, recipe: Any, argnums: int | Sequence[int] = 0,
-                            *, has_aux: bool = False,
-                            overrides: Mapping[Any, Any] | None = None,
-                            fp32_ops=None) -> Callable:
-  """Deprecated: ``precision.value_and_grad(precision.autocast(fn, recipe, overrides,
-  fp32_ops=fp32_ops, fp8_state=True), argnums=argnums, has_aux=has_aux)``, which returns
-  ``vg(state, *args) -> (value, grads, new_state)`` the same way (and scales the loss when
-  given an optimizer state)."""
-  _deprecation.warn(
-      "precision.fp8.autocast_value_and_grad(fn, recipe)",
-      "precision.value_and_grad(precision.autocast(fn, recipe, fp8_state=True))")
-  from precision._autocast import _api  # pylint: disable=g-import-not-at-top
-  g = _api.autocast(fn, recipe, overrides, fp32_ops=fp32_ops, fp8_state=True)
-  step = _grad.value_and_grad(g, None, has_aux=has_aux, argnums=argnums)
-  step.autocast_spec = g.autocast_spec
-  step.init_state = g.init_state
-  return step
 
 
 def merge_state_grads(new_state: Mapping[str, Fp8DotState],
@@ -77,5 +51,4 @@ def update_fp8_grad_state(module: nnx.Module, grads: nnx.State) -> nnx.State:
   return nnx.filter_state(grads, nnx.Not(Fp8GradState))
 
 
-__all__ = ["autocast_value_and_grad", "merge_fp8_grad_state", "merge_state_grads",
-           "update_fp8_grad_state", "value_and_grad"]
+__all__ = ["merge_fp8_grad_state", "merge_state_grads", "update_fp8_grad_state"]

@@ -66,8 +66,9 @@ from precision.optim._spike import SpikeGuardState
 from precision.optim._spike import spike_guard
 from precision.optim._tree import all_finite
 from precision.optim._tree import select_tree
-# Deprecated alias: precision.value_and_grad(loss_fn, opt_state) replaces it.
-from precision.optim._deprecated import scaled_value_and_grad
+# The deprecated `scaled_value_and_grad` (precision.value_and_grad(loss_fn, opt_state)
+# replaces it) lives above this package, in precision/_deprecated_grads.py;
+# precision/__init__.py attaches it here.
 
 __all__ = [
     "DynamicLossScale",
