@@ -9,10 +9,10 @@ reason it stays, and a new one fails here.
 
 from __future__ import annotations
 
-import ast
 import pathlib
 
 import precision
+from experiments import _import_graph
 
 ROOT = pathlib.Path(precision.__file__).parent
 
@@ -32,104 +32,12 @@ KNOWN_CYCLES = {
 }
 
 
-def _modules() -> dict[str, pathlib.Path]:
-  mods = {}
-  for path in ROOT.rglob("*.py"):
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-      parts = parts[:-1]
-    mods[".".join(parts)] = path
-  return mods
-
-
-class _Imports(ast.NodeVisitor):
-  """(target module, module-level?, line) of each import of a precision module."""
-
-  def __init__(self, name: str, is_package: bool, mods: dict[str, pathlib.Path]):
-    self.package = name if is_package else name.rpartition(".")[0]
-    self.mods = mods
-    self.depth = 0
-    self.found: list[tuple[str, bool, int]] = []
-
-  def _function(self, node):
-    self.depth += 1
-    self.generic_visit(node)
-    self.depth -= 1
-
-  visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
-
-  def visit_If(self, node):
-    test = node.test
-    if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
-      for child in node.orelse:  # the TYPE_CHECKING branch never runs
-        self.visit(child)
-      return
-    self.generic_visit(node)
-
-  def _add(self, target: str, line: int):
-    if target == "precision" or target.startswith("precision."):
-      while target not in self.mods:  # a name inside a module: the module
-        target = target.rpartition(".")[0]
-      self.found.append((target, self.depth == 0, line))
-
-  def visit_Import(self, node):
-    for alias in node.names:
-      self._add(alias.name, node.lineno)
-
-  def visit_ImportFrom(self, node):
-    if node.level:
-      base = self.package.split(".")
-      base = base[:len(base) - node.level + 1]
-      module = ".".join(base + ([node.module] if node.module else []))
-    else:
-      module = node.module or ""
-    for alias in node.names:
-      sub = f"{module}.{alias.name}"  # `from package import submodule`
-      self._add(sub if sub in self.mods else module, node.lineno)
-
-
-def _edges() -> dict[str, list[tuple[str, bool, int]]]:
-  mods = _modules()
-  edges = {}
-  for name, path in mods.items():
-    visitor = _Imports(name, path.name == "__init__.py", mods)
-    visitor.visit(ast.parse(path.read_text(), str(path)))
-    edges[name] = [e for e in visitor.found if e[0] != name]
-  return edges
+def _edges():
+  return _import_graph.edges(ROOT)
 
 
 def _cycles(edges, module_level_only: bool) -> list[frozenset[str]]:
-  """The strongly connected sets of more than one module (Tarjan)."""
-  graph = {m: sorted({t for t, top, _ in es if top or not module_level_only})
-           for m, es in edges.items()}
-  index, low, stack, on_stack, out = {}, {}, [], set(), []
-
-  def visit(v):
-    index[v] = low[v] = len(index)
-    stack.append(v)
-    on_stack.add(v)
-    for w in graph.get(v, []):
-      if w not in index:
-        visit(w)
-        low[v] = min(low[v], low[w])
-      elif w in on_stack:
-        low[v] = min(low[v], index[w])
-    if low[v] == index[v]:
-      component = set()
-      while True:
-        w = stack.pop()
-        on_stack.discard(w)
-        component.add(w)
-        if w == v:
-          break
-      if len(component) > 1:
-        out.append(frozenset(component))
-
-  for v in sorted(graph):
-    if v not in index:
-      visit(v)
-  return out
+  return _import_graph.cycles(edges, module_level_only)
 
 
 def _describe(edges, component: frozenset[str]) -> str:
@@ -221,12 +129,5 @@ def test_numerics_imports_nothing_from_the_study():
 def test_no_package_level_cycle_at_module_level():
   # Inside the recipe core the packages may still import each other inside functions
   # (KNOWN_CYCLES); their module-level imports form no circle between packages.
-  package_edges = {}
-  for module, imports in _edges().items():
-    src = f"precision.{_package(module)}" if _package(module) else "precision"
-    for target, top, line in imports:
-      dst = f"precision.{_package(target)}" if _package(target) else "precision"
-      if src != dst and src != "precision":
-        package_edges.setdefault(src, []).append((dst, top, line))
-  cycles = _cycles(package_edges, module_level_only=True)
+  cycles = _cycles(_import_graph.package_edges(_edges()), module_level_only=True)
   assert not cycles, [sorted(c) for c in cycles]

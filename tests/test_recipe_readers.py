@@ -1,15 +1,8 @@
 """Recipe fields are read by `precision.bind` (precision/_plan.py) and the Recipe itself
 (precision/_recipe.py) only; every other module reads the Plan's decisions. Read from the
-source (nothing is imported; experiments/_source_reads.py, shared with
-experiments/structure_figures.py), as tests/test_imports.py reads the import graph.
-
-What counts as a read: an attribute of a Recipe field (`policy`, `master_dtype`, ...,
-`spike_guard`, and the `swamping_risk` / `description` properties; not `name`, which
-identifies the recipe) or a `getattr` on an expression that names a recipe: a name
-`recipe` (or `rec`, `rcp`), a `.recipe` attribute (`plan.recipe.fp8`), a call of
-`get_recipe` / `recipe_of` / a function whose name ends in `_recipe`, a parameter
-annotated with a Recipe type, a name assigned from one of those in the same function,
-and the loop variable of a loop or comprehension over an iterable named `*recipe*`.
+source (nothing is imported) by experiments/_source_reads.py (its docstring says what
+counts as a read), shared with experiments/structure_figures.py, as tests/test_imports.py
+reads the import graph (experiments/_import_graph.py).
 """
 
 from __future__ import annotations
