@@ -155,7 +155,7 @@ def _kernels():
   """(precision.fp8._dot, precision.fp8._grouped): the fp8 GEMM kernels, imported when a
   program is first traced under an fp8 recipe. In a function, the one place: importing a
   module of precision.fp8 runs that package first, whose entry points (init_state,
-  autocast_value_and_grad) import this package at module level."""
+  autocast_gemms) import this package at module level."""
   from precision.fp8 import _dot, _grouped  # pylint: disable=g-import-not-at-top
   return _dot, _grouped
 
