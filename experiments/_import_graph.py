@@ -14,7 +14,7 @@ import ast
 import pathlib
 from typing import Iterable, Mapping
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "precision"
+from experiments._source_reads import ROOT   # precision/ beside experiments/
 
 Edge = tuple[str, bool, int]
 

@@ -59,11 +59,9 @@ from precision import _deprecated_grads
 # The deprecated value_and_grads of precision.fp8 and precision.optim call
 # precision.value_and_grad, above both packages: they live above it too and are attached
 # to the two packages here, under their old names, so neither package imports upward.
-for _name, _fn in _deprecated_grads.FP8:
-  setattr(fp8, _name, _fn)
-for _name, _fn in _deprecated_grads.OPTIM:
-  setattr(optim, _name, _fn)
-del _name, _fn
+fp8.value_and_grad = _deprecated_grads.value_and_grad
+fp8.autocast_value_and_grad = _deprecated_grads.autocast_value_and_grad
+optim.scaled_value_and_grad = _deprecated_grads.scaled_value_and_grad
 
 from precision._version import __version__  # noqa: E402
 

@@ -3,8 +3,8 @@
 Each is a thin alias of ``precision.value_and_grad`` (same bits) that warns
 (DeprecationWarning) with the call replacing it. They call `precision._grad`, which sits
 above both packages (it carries fp8 state and the optimizer's loss scale), so they live
-here, above it, and `precision/__init__.py` attaches them under their old names
-(``precision.fp8.value_and_grad``, ``precision.fp8.autocast_value_and_grad``,
+here, above it, under their old names, and `precision/__init__.py` attaches them where
+they were (``precision.fp8.value_and_grad``, ``precision.fp8.autocast_value_and_grad``,
 ``precision.optim.scaled_value_and_grad``): neither package imports upward for them.
 """
 
@@ -17,18 +17,17 @@ from precision import _grad
 from precision._autocast import _api
 
 
-def fp8_value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False
-                       ) -> Callable[..., Any]:
+def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
   """Deprecated: ``precision.value_and_grad(fn)`` (no optimizer state: the loss is not
   scaled), which carries an NNX model's fp8 gradient-operand state the same way."""
   _deprecation.warn("precision.fp8.value_and_grad(fn)", "precision.value_and_grad(fn)")
   return _grad.value_and_grad(fn, None, has_aux=has_aux)
 
 
-def fp8_autocast_value_and_grad(fn: Callable, recipe: Any,
-                                argnums: int | Sequence[int] = 0, *, has_aux: bool = False,
-                                overrides: Mapping[Any, Any] | None = None,
-                                fp32_ops=None) -> Callable:
+def autocast_value_and_grad(fn: Callable, recipe: Any, argnums: int | Sequence[int] = 0,
+                            *, has_aux: bool = False,
+                            overrides: Mapping[Any, Any] | None = None,
+                            fp32_ops=None) -> Callable:
   """Deprecated: ``precision.value_and_grad(precision.autocast(fn, recipe, overrides,
   fp32_ops=fp32_ops, fp8_state=True), argnums=argnums, has_aux=has_aux)``, which returns
   ``vg(state, *args) -> (value, grads, new_state)`` the same way (and scales the loss when
@@ -43,8 +42,8 @@ def fp8_autocast_value_and_grad(fn: Callable, recipe: Any,
   return step
 
 
-def optim_scaled_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False
-                                ) -> Callable[..., Any]:
+def scaled_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False
+                          ) -> Callable[..., Any]:
   """Deprecated: ``precision.value_and_grad(loss_fn, opt_state)(params, *args)``.
 
   Returns ``fn(opt_state, params, *args, **kwargs) -> (loss, grads)`` (``((loss, aux),
@@ -70,16 +69,4 @@ def optim_scaled_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = Fal
   return fn
 
 
-fp8_value_and_grad.__name__ = fp8_value_and_grad.__qualname__ = "value_and_grad"
-fp8_autocast_value_and_grad.__name__ = "autocast_value_and_grad"
-fp8_autocast_value_and_grad.__qualname__ = "autocast_value_and_grad"
-optim_scaled_value_and_grad.__name__ = "scaled_value_and_grad"
-optim_scaled_value_and_grad.__qualname__ = "scaled_value_and_grad"
-
-# (package attribute, function) pairs precision/__init__.py attaches.
-FP8 = (("value_and_grad", fp8_value_and_grad),
-       ("autocast_value_and_grad", fp8_autocast_value_and_grad))
-OPTIM = (("scaled_value_and_grad", optim_scaled_value_and_grad),)
-
-__all__ = ["FP8", "OPTIM", "fp8_autocast_value_and_grad", "fp8_value_and_grad",
-           "optim_scaled_value_and_grad"]
+__all__ = ["autocast_value_and_grad", "scaled_value_and_grad", "value_and_grad"]
