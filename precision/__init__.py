@@ -55,6 +55,19 @@ from precision.optim import StaticLossScale
 from precision.optim import all_finite
 from precision.optim import select_tree
 from precision import _deprecated_grads
+from precision import _optimizer
+from precision._autocast import _fp8_state
+
+# The entry points of precision.fp8 and precision.optim that take a recipe bind it
+# (precision.bind), and the Plan derives its decisions from those two packages: they live
+# above the Plan and are attached to the packages here, under their public names, so
+# neither package imports upward.
+fp8.GemmSite = _fp8_state.GemmSite
+fp8.autocast_gemms = _fp8_state.autocast_gemms
+fp8.init_state = _fp8_state.init_state
+optim.build_optimizer = _optimizer.build_optimizer
+optim.memory_ledger = _optimizer.memory_ledger
+optim.bytes_per_param = _optimizer.bytes_per_param
 
 # The deprecated value_and_grads of precision.fp8 and precision.optim call
 # precision.value_and_grad, above both packages: they live above it too and are attached

@@ -23,9 +23,11 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from precision._autocast import _overrides
-from precision._autocast._api import AutocastSpec
-from precision._policy import Policy
+from precision import _overrides
+from precision._autocast_spec import AutocastSpec
+from precision._policy import Policy, get_policy
+from precision.optim import _build
+from precision.optim._decisions import OptimizerDecisions
 from precision._recipe import (MICRO_SCALINGS, PRESETS, Fp8Config, LossScaleConfig, Recipe,
                                SpikeGuardConfig, get_recipe)
 
@@ -41,47 +43,6 @@ INNER_MOMENTS = {
 _FP8_FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
                 "e2m1": ml_dtypes.float4_e2m1fn}
 _MICRO_SCALES = {"mxfp8": ml_dtypes.float8_e8m0fnu, "nvfp4": ml_dtypes.float8_e4m3fn}
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerDecisions:
-  """The optimizer chain a recipe asks for, decided once by `bind`: what
-  `precision.optim.build_optimizer` builds around the user's optimizer (from the inside
-  out) and what the memory ledger counts.
-
-  Attributes:
-    recipe_name: the recipe's name (for messages).
-    param_dtype: the dtype the params are stored in.
-    fused: the update is the fused AdamW + stochastic rounding kernel (steps 1 and 2).
-    moment_dtypes: (mu, nu) storage dtypes when one of them is not f32 (step 1), else None.
-    mu_dtype, nu_dtype: the moments' storage dtypes (f32 when moment_dtypes is None).
-    updates: how updates reach the params (step 2): "master" (an f32 master copy,
-      rounded per `rounding`), "stochastic" (stochastic rounding into 16-bit params),
-      "kahan" (a compensation buffer), "f32_update" (f32 updates rounded to nearest into
-      16-bit params) or "as_is" (f32 params take the inner updates).
-    master_dtype: the master copy's dtype, or None.
-    rounding: "nearest", "stochastic" or "kahan".
-    loss_scale: the LossScaleConfig of a scaled recipe (step 3: loss scaling), or None
-      (step 3: non-finite steps skipped).
-    spike_guard: the SpikeGuardConfig (step 4), or None.
-  """
-
-  recipe_name: str
-  param_dtype: np.dtype
-  fused: bool
-  moment_dtypes: tuple[np.dtype, np.dtype] | None
-  mu_dtype: np.dtype
-  nu_dtype: np.dtype
-  updates: str
-  master_dtype: np.dtype | None
-  rounding: str
-  loss_scale: LossScaleConfig | None
-  spike_guard: SpikeGuardConfig | None
-
-  @property
-  def seeds_rounding(self) -> bool:
-    """The update draws random bits (stochastic rounding, of the params or the master)."""
-    return self.fused or self.rounding == "stochastic"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,9 +187,7 @@ class Plan:
     Examples:
       >>> tx = plan.optimizer(optax.adamw(3e-4))
     """
-    # In the function: precision.optim imports this module (build_optimizer takes a Plan).
-    from precision.optim import _build  # pylint: disable=g-import-not-at-top
-    return _build.build_optimizer(self, inner, seed=seed, axis_name=axis_name)
+    return _build.chain(self.optimizer_decisions, inner, seed=seed, axis_name=axis_name)
 
   def bound_dict(self) -> dict[str, Any]:
     """What `bind` added to the recipe, JSON-safe (a checkpoint records it beside
@@ -371,3 +330,104 @@ def spec_for(policy: Any, overrides: Mapping[Any, Any] | None = None,
   if isinstance(policy, Plan) or is_recipe(policy):
     return as_plan(policy, overrides, fp32_ops).autocast_spec
   return AutocastSpec.build(policy, overrides, fp32_ops)
+
+
+def autocast_spec(policy: Any, overrides: Mapping[Any, Any] | None = None, fp32_ops=None,
+                  *, module_base: type = object, recompute_f32: bool = True,
+                  fp8_state: bool = False) -> AutocastSpec:
+  """The AutocastSpec `precision.autocast` and the Flax policies run under, validated:
+  what `policy` (any of the inputs they take) and these arguments decide.
+
+  Examples:
+    >>> autocast_spec("bf16_mixed", {"head": "f32"}).describe()
+    "recipe 'bf16_mixed' (p=f32,c=bf16,o=f32), overrides {'head': 'p=f32,c=f32,o=f32'}"
+
+  Args:
+    policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe, a preset
+      recipe name ("bf16_mixed") or a Plan (`precision.bind`): a recipe contributes its
+      policy, fp32_ops and fp8 config, a plan its whole spec (overrides included; it
+      takes no further `overrides` or `fp32_ops`) and its recipe's fp8 config, or an
+      AutocastSpec (`precision.flax.spec_of(model)`, `fn.autocast_spec`): that spec.
+    overrides: {path pattern or module type: policy} (see precision.autocast).
+    fp32_ops: op names kept in f32 (default: the recipe's, else DEFAULT_FP32_OPS).
+    recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
+      pass instead of saving its f32 intermediates (see precision._autocast._regions).
+    fp8_state: the fp8 scaling state is an explicit argument and result.
+  Raises:
+    ValueError: a bad policy, override or op name; an fp8 compute dtype (fp8 GEMMs need
+      scaling: an fp8 recipe); a recipe with delayed fp8 scaling without
+      `fp8_state=True` (its amax histories are state); `fp8_state=True` without a recipe
+      with fp8 GEMMs.
+  """
+  if not isinstance(fp8_state, bool):
+    raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
+  if isinstance(policy, AutocastSpec):
+    # A spec read back from a marked model or an autocast'ed function
+    # (`.autocast_spec`): the same spec again, so the trace agrees with the mark.
+    if overrides is not None or fp32_ops is not None or fp8_state:
+      raise ValueError("An AutocastSpec carries its own overrides, fp32_ops and fp8 "
+                       "settings; accepted: the spec alone, or its recipe with new ones")
+    return policy
+  if isinstance(policy, Plan):
+    plan = as_plan(policy, overrides, fp32_ops)
+    return _with_fp8(plan.autocast_spec, plan, fp8_state, policy)
+  plan, given = None, policy
+  if is_recipe(policy):
+    # A recipe is bound here (its overrides are parsed below, against module_base).
+    plan = as_plan(policy)
+    policy = plan.policy
+    fp32_ops = plan.fp32_ops if fp32_ops is None else fp32_ops
+  if isinstance(policy, str) and "=" not in policy:
+    try:
+      get_policy(policy)
+    except ValueError as e:
+      raise ValueError(
+          f"{policy!r} is neither a dtype nor a preset recipe; accepted: a policy string "
+          f"such as 'p=f32,c=bf16,o=f32', a dtype ({e}), or a preset: "
+          f"{', '.join(PRESETS)}") from e
+  spec = AutocastSpec.build(policy, overrides, fp32_ops, module_base=module_base,
+                            recompute_f32=recompute_f32,
+                            recipe=None if plan is None else plan.recipe)
+  return _with_fp8(spec, plan, fp8_state, given)
+
+
+def refuse_fp8_recipe(policy: Any, where: str) -> None:
+  """Raises for an fp8 recipe (or a plan of one) given where only a policy applies: a
+  model marked by apply_policy / linen_policy gets no fp8 layers (apply_recipe does)."""
+  if not (isinstance(policy, Plan) or is_recipe(policy)):
+    return
+  plan = as_plan(policy)
+  if plan.fp8 is not None:
+    raise ValueError(
+        f"{where}: recipe {plan.name!r} has fp8 GEMMs, whose scaling state (amax history, "
+        "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
+        "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
+        "recipe's policy), precision.autocast(fn, recipe) on a function, or "
+        f"{where}(..., recipe.policy) for the policy alone")
+
+
+def _with_fp8(spec: AutocastSpec, plan: Any, fp8_state: bool,
+              given: Any) -> AutocastSpec:
+  """`spec` running the fp8 GEMMs of `plan` (a Plan, or None for a bare policy) itself
+  (autocast of a function)."""
+  fp8 = plan.fp8 if plan is not None else None
+  if fp8 is not None and fp8.scaling == "delayed" and fp8_state is not True:
+    raise ValueError(
+        f"Recipe {plan.name!r} scales its fp8 GEMMs with delayed scaling "
+        "(fp8.scaling='delayed'): each GEMM's amax history is state carried from step "
+        "to step, which plain autocast has nowhere to keep. Either carry it: "
+        "g = precision.autocast(fn, recipe, fp8_state=True) with state = "
+        "precision.fp8.init_state(fn, recipe, *args), called as "
+        "g(state, *args) -> (out, new_state) (precision.value_and_grad(g) "
+        "does the step); or use a stateless scaling: dataclasses.replace(recipe, "
+        "fp8=precision.Fp8Config(scaling='current')) ('per_channel' and 'block' are "
+        "stateless too)")
+  if fp8_state and fp8 is None:
+    raise ValueError(
+        f"fp8_state=True with {getattr(given, 'name', given)!r}, which has no fp8 GEMMs; "
+        "accepted: a recipe with "
+        "an fp8 config (precision.get_recipe('fp8_hybrid'), or a Recipe(..., "
+        "fp8=precision.Fp8Config(...)))")
+  if fp8 is None and not fp8_state:
+    return spec
+  return dataclasses.replace(spec, fp8=fp8, fp8_state=fp8_state)

@@ -120,7 +120,7 @@ def test_f32_ops_and_promotion_and_explicit_casts():
   s, g, r, h2 = jax.eval_shape(mp.autocast(fn, "p=f32,c=bf16,o=bf16"), x, w, b)
   # Floating results leave in the output dtype; inside, each op kept its own.
   assert {s.dtype, g.dtype, r.dtype, h2.dtype} == {np.dtype(BF16)}
-  raw = mp._autocast._api.run(mp._autocast.AutocastSpec.make(MIXED), fn, (x, w, b), {})
+  raw = mp._autocast._api.run(mp._plan.autocast_spec(MIXED), fn, (x, w, b), {})
   assert [o.dtype for o in raw.outputs] == [F32, F32, F16, BF16]
   report = mp.audit.audit(mp.autocast(fn, MIXED), x, w, b)
   f32_ops = {o.primitive: o.dtype for o in report.ops if o.primitive in ("exp", "tanh",
@@ -171,7 +171,7 @@ def test_control_flow_is_recursed_and_carries_keep_dtypes():
   assert report.has_while and {g[:3] for g in _gemms(report)} == {
       ("bfloat16", "bfloat16", "float32")}
   assert mp.autocast(loop, "p=f32,c=bf16,o=bf16")(x, w).dtype == BF16
-  assert mp._autocast._api.run(mp._autocast.AutocastSpec.make(MIXED), loop, (x, w),
+  assert mp._autocast._api.run(mp._plan.autocast_spec(MIXED), loop, (x, w),
                                {}).outputs.dtype == F32  # the carry
 
 def test_custom_jvp_rule_is_kept_and_custom_vjp_runs_as_written():

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import precision as mp
-from precision._autocast import _overrides
+from precision import _overrides
 from precision.audit import _report
 
 F32 = jnp.float32

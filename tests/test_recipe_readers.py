@@ -16,7 +16,7 @@ ROOT = pathlib.Path(precision.__file__).parent
 
 # The reads left outside the readers, each a message: (module, expression) -> why.
 ALLOWED = {
-    ("_autocast/_api.py", "self.recipe.fp32_ops"):
+    ("_autocast_spec.py", "self.recipe.fp32_ops"):
         "AutocastSpec.describe: a message names fp32 ops that differ from the recipe's",
     ("study/_report.py", "r.fp8"): "the study report's notes: a line about fp8 recipes",
     ("study/_report.py", "r.loss_scale"):

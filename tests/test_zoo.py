@@ -108,7 +108,7 @@ def test_bf16_f32_ops_check_and_loss(name):
   with b.context():
     report = mp.audit.audit(jax.grad(lambda p: b.loss(p)[0]), b.params)
   report.check(MIXED)
-  f32_prims = mp._autocast._api.AutocastSpec.make("bf16_mixed").fp32_primitives
+  f32_prims = mp._plan.autocast_spec("bf16_mixed").fp32_primitives
   below = [o for o in report.ops if o.primitive in f32_prims and o.dtype != "float32"]
   assert not below, below
   # Every model exercises some of them (softmax, norms, activations, the loss).

@@ -39,180 +39,11 @@ from precision import _trace_state
 from precision._policy import Policy, cast_floating, dtype_name, get_policy
 from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, PRESETS, Recipe
 from precision._autocast import _fp8
-from precision._autocast import _overrides
+from precision import _overrides
+from precision import _plan
+from precision._autocast_spec import AutocastSpec
 from precision._autocast import _interpret
 from precision._autocast import _rules as R
-
-
-@dataclasses.dataclass(frozen=True)
-class AutocastSpec:
-  """A policy, its overrides, the ops kept in f32 and the recipe's fp8 GEMMs: everything
-  autocast applies.
-
-  Frozen and hashable (NNX keeps it in a module's static graph definition). `recipe` is
-  the Recipe the spec was made from (None for a bare policy): a model marked with one
-  recipe and traced under another is refused (see precision.flax.apply_recipe). `fp8` is
-  the recipe's Fp8Config when autocast itself runs its fp8 GEMMs (None: no fp8 GEMMs; a
-  model marked by apply_recipe gets them from its fp8 layers instead); `fp8_state`: the
-  scaling state is an explicit argument and result (``g(state, *args) -> (out,
-  new_state)``).
-  """
-
-  policy: Policy
-  rules: tuple = ()
-  fp32_ops: tuple[str, ...] = DEFAULT_FP32_OPS
-  recompute_f32: bool = True
-  recipe: Recipe | None = None
-  fp8: Fp8Config | None = None
-  fp8_state: bool = False
-  grouped_fp8: Fp8Config | None = None
-
-  def describe(self) -> str:
-    """One line for error messages: recipe (or policy), overrides, fp32 ops if not default.
-
-    Examples:
-      >>> AutocastSpec.make("bf16_mixed", {"head": "f32"}).describe()
-      "recipe 'bf16_mixed' (p=f32,c=bf16,o=f32), overrides {'head': 'p=f32,c=f32,o=f32'}"
-    """
-    text = (f"recipe {self.recipe.name!r} ({self.policy})" if self.recipe is not None
-            else f"policy {str(self.policy)!r}")
-    if self.rules:
-      shown = ", ".join(f"{_overrides.key_name(k)}: {_overrides.describe_value(v)}"
-                        for k, v in _overrides.as_mapping(self.rules).items())
-      text += f", overrides {{{shown}}}"
-    else:
-      text += ", no overrides"
-    if self.fp32_ops != (self.recipe.fp32_ops if self.recipe is not None
-                         else DEFAULT_FP32_OPS):
-      text += f", fp32_ops {list(self.fp32_ops)}"
-    return text
-
-  @functools.cached_property
-  def fp32_primitives(self) -> frozenset:
-    return _fp32_ops.primitives_of(self.fp32_ops)
-
-  @classmethod
-  def make(cls, policy: Policy | Recipe | str, overrides: Mapping[Any, Any] | None = None,
-           fp32_ops=None, *, module_base: type = object,
-           recompute_f32: bool = True, fp8_state: bool = False) -> AutocastSpec:
-    """Validates and builds a spec.
-
-    Args:
-      policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe, a preset
-        recipe name ("bf16_mixed") or a Plan (`precision.bind`): a recipe contributes its
-        policy, fp32_ops and fp8 config, a plan its whole spec (overrides included; it
-        takes no further `overrides` or `fp32_ops`) and its recipe's fp8 config, or an
-        AutocastSpec (`precision.flax.spec_of(model)`, `fn.autocast_spec`): that spec.
-      overrides: {path pattern or module type: policy} (see precision.autocast).
-      fp32_ops: op names kept in f32 (default: the recipe's, else DEFAULT_FP32_OPS).
-      recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
-        pass instead of saving its f32 intermediates (see precision._autocast._regions).
-      fp8_state: the fp8 scaling state is an explicit argument and result.
-    Raises:
-      ValueError: a bad policy, override or op name; an fp8 compute dtype (fp8 GEMMs need
-        scaling: an fp8 recipe); a recipe with delayed fp8 scaling without
-        `fp8_state=True` (its amax histories are state); `fp8_state=True` without a recipe
-        with fp8 GEMMs.
-    """
-    # In the function: _plan imports this module (a Plan holds an AutocastSpec).
-    from precision import _plan  # pylint: disable=g-import-not-at-top
-    if not isinstance(fp8_state, bool):
-      raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
-    if isinstance(policy, AutocastSpec):
-      # A spec read back from a marked model or an autocast'ed function
-      # (`.autocast_spec`): the same spec again, so the trace agrees with the mark.
-      if overrides is not None or fp32_ops is not None or fp8_state:
-        raise ValueError("An AutocastSpec carries its own overrides, fp32_ops and fp8 "
-                         "settings; accepted: the spec alone, or its recipe with new ones")
-      return policy
-    if isinstance(policy, _plan.Plan):
-      plan = _plan.as_plan(policy, overrides, fp32_ops)
-      return _with_fp8(plan.autocast_spec, plan, fp8_state, policy)
-    plan, given = None, policy
-    if _plan.is_recipe(policy):
-      # A recipe is bound here (its overrides are parsed below, against module_base).
-      plan = _plan.as_plan(policy)
-      policy = plan.policy
-      fp32_ops = plan.fp32_ops if fp32_ops is None else fp32_ops
-    if isinstance(policy, str) and "=" not in policy:
-      try:
-        get_policy(policy)
-      except ValueError as e:
-        raise ValueError(
-            f"{policy!r} is neither a dtype nor a preset recipe; accepted: a policy string "
-            f"such as 'p=f32,c=bf16,o=f32', a dtype ({e}), or a preset: "
-            f"{', '.join(PRESETS)}") from e
-    spec = cls.build(policy, overrides, fp32_ops, module_base=module_base,
-                     recompute_f32=recompute_f32,
-                     recipe=None if plan is None else plan.recipe)
-    return _with_fp8(spec, plan, fp8_state, given)
-
-  @classmethod
-  def build(cls, policy: Policy | str, overrides: Mapping[Any, Any] | None = None,
-            fp32_ops=None, *, module_base: type = object, recompute_f32: bool = True,
-            recipe: Recipe | None = None,
-            grouped_fp8: Fp8Config | None = None) -> AutocastSpec:
-    """`make` for a policy (never a recipe name), recording `recipe` as the spec's origin,
-    without dense fp8 GEMMs of its own: the spec a Plan keeps and apply_recipe marks an
-    NNX model with (its dense fp8 GEMMs come from its fp8 layers; its grouped GEMMs run
-    fp8 by `grouped_fp8`)."""
-    base = get_policy(policy)
-    rules = _overrides.parse_overrides(overrides, module_base)
-    for where, pol in [("policy", base)] + [(f"override {r.key!r}", r.policy) for r in rules]:
-      c = np.dtype(pol.compute_dtype)
-      if c.itemsize == 1:
-        raise ValueError(
-            f"{where}: compute dtype {dtype_name(c)} is an fp8 format; fp8 GEMMs need "
-            "scaling (an unscaled cast turns 500 into NaN in E4M3): use an fp8 recipe "
-            "(precision.get_recipe('fp8_hybrid'), or a Recipe with "
-            "fp8=precision.Fp8Config(...)), whose compute dtype is bf16/f16/f32")
-    fp32 = _fp32_ops.check_names(DEFAULT_FP32_OPS if fp32_ops is None else fp32_ops)
-    if not isinstance(recompute_f32, bool):
-      raise ValueError(f"recompute_f32={recompute_f32!r}; accepted: True or False")
-    return cls(base, rules, fp32, recompute_f32, recipe, grouped_fp8=grouped_fp8)
-
-
-def refuse_fp8_recipe(policy: Any, where: str) -> None:
-  """Raises for an fp8 recipe (or a plan of one) given where only a policy applies: a
-  model marked by apply_policy / linen_policy gets no fp8 layers (apply_recipe does)."""
-  from precision import _plan  # pylint: disable=g-import-not-at-top  (cycle)
-  if not (isinstance(policy, _plan.Plan) or _plan.is_recipe(policy)):
-    return
-  plan = _plan.as_plan(policy)
-  if plan.fp8 is not None:
-    raise ValueError(
-        f"{where}: recipe {plan.name!r} has fp8 GEMMs, whose scaling state (amax history, "
-        "scales) lives in layers: use precision.flax.apply_recipe(model, recipe) on an "
-        "NNX model (its nnx.Linear/Einsum layers get the fp8 GEMMs, every other GEMM the "
-        "recipe's policy), precision.autocast(fn, recipe) on a function, or "
-        f"{where}(..., recipe.policy) for the policy alone")
-
-
-def _with_fp8(spec: AutocastSpec, plan: Any, fp8_state: bool,
-              given: Any) -> AutocastSpec:
-  """`spec` running the fp8 GEMMs of `plan` (a Plan, or None for a bare policy) itself
-  (autocast of a function)."""
-  fp8 = plan.fp8 if plan is not None else None
-  if fp8 is not None and fp8.scaling == "delayed" and fp8_state is not True:
-    raise ValueError(
-        f"Recipe {plan.name!r} scales its fp8 GEMMs with delayed scaling "
-        "(fp8.scaling='delayed'): each GEMM's amax history is state carried from step "
-        "to step, which plain autocast has nowhere to keep. Either carry it: "
-        "g = precision.autocast(fn, recipe, fp8_state=True) with state = "
-        "precision.fp8.init_state(fn, recipe, *args), called as "
-        "g(state, *args) -> (out, new_state) (precision.value_and_grad(g) "
-        "does the step); or use a stateless scaling: dataclasses.replace(recipe, "
-        "fp8=precision.Fp8Config(scaling='current')) ('per_channel' and 'block' are "
-        "stateless too)")
-  if fp8_state and fp8 is None:
-    raise ValueError(
-        f"fp8_state=True with {getattr(given, 'name', given)!r}, which has no fp8 GEMMs; "
-        "accepted: a recipe with "
-        "an fp8 config (precision.get_recipe('fp8_hybrid'), or a Recipe(..., "
-        "fp8=precision.Fp8Config(...)))")
-  if fp8 is None and not fp8_state:
-    return spec
-  return dataclasses.replace(spec, fp8=fp8, fp8_state=fp8_state)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -653,7 +484,7 @@ def autocast(fn: Callable, recipe: Any,
   if not callable(fn):
     raise ValueError(f"autocast: fn={fn!r}; accepted: a callable (the function to run "
                      "under the policy)")
-  spec = AutocastSpec.make(recipe, overrides, fp32_ops, fp8_state=fp8_state)
+  spec = _plan.autocast_spec(recipe, overrides, fp32_ops, fp8_state=fp8_state)
   _refuse_f64_without_x64(spec)
   state = _state_positions(state_outputs)
 

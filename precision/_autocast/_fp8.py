@@ -71,8 +71,10 @@ import jax
 import numpy as np
 
 from precision import _dtypes
-from precision._autocast import _overrides
+from precision import _overrides
 from precision._autocast import _rules as R
+from precision.fp8 import _dot
+from precision.fp8 import _grouped
 
 # Where a site sits, when not inline (top level or a jit body): in a "scan" or "while"
 # body, a "cond" branch, a "remat" (jax.checkpoint) body.
@@ -151,21 +153,12 @@ def sub_operands(eqn, k: int, xs: list) -> list:
   return list(xs)
 
 
-def _kernels():
-  """(precision.fp8._dot, precision.fp8._grouped): the fp8 GEMM kernels, imported when a
-  program is first traced under an fp8 recipe. In a function, the one place: importing a
-  module of precision.fp8 runs that package first, whose entry points (init_state,
-  autocast_gemms) import this package at module level."""
-  from precision.fp8 import _dot, _grouped  # pylint: disable=g-import-not-at-top
-  return _dot, _grouped
-
-
 def is_grouped(eqn) -> bool:
   """A ragged_dot_general (a grouped MoE GEMM) with lax.ragged_dot's dimension numbers
   and no group offset: it runs through `precision.fp8._grouped` (per-expert scales)."""
   p = eqn.params
   return (eqn.primitive.name == "ragged_dot_general" and p.get("group_offset") is None
-          and _kernels()[1].is_basic(p["ragged_dot_dimension_numbers"]))
+          and _grouped.is_basic(p["ragged_dot_dimension_numbers"]))
 
 
 def is_candidate(eqn) -> bool:
@@ -332,7 +325,6 @@ def threading(run: Fp8Run | None, states: Mapping[str, Any]):
 def _check_state(state: Any, keys: list[str], spec, stacks: Mapping[str, tuple]) -> None:
   """`state` is a dict {key: Fp8DotState} with exactly `keys`, shaped for `spec` (with
   the scan lengths `stacks[key]` leading)."""
-  Fp8DotState = _kernels()[0].Fp8DotState  # pylint: disable=invalid-name
   if not isinstance(state, Mapping):
     raise ValueError(
         f"fp8 state {type(state).__name__} {state!r:.80}; accepted: the dict "
@@ -349,7 +341,7 @@ def _check_state(state: Any, keys: list[str], spec, stacks: Mapping[str, tuple])
   want = {op: (getattr(spec, op).state_len,) for op in ("lhs", "rhs", "grad")}
   for k in keys:
     st = state[k]
-    if not isinstance(st, Fp8DotState):
+    if not isinstance(st, _dot.Fp8DotState):
       raise ValueError(f"fp8 state[{k!r}] is {type(st).__name__}; accepted: an "
                        "precision.fp8.Fp8DotState (from precision.fp8.init_state)")
     for op, shape in want.items():
@@ -412,7 +404,7 @@ def prepare(env, jaxpr, config, stateful: bool, state: Any, check_state: bool = 
             ) -> tuple[Fp8Run, list[Decision]]:
   """The Fp8Run for evaluating `jaxpr` under `config`; a stateful run's `state` is checked
   against the sites chosen (unless `check_state` is False: choosing sites only)."""
-  spec = _kernels()[0].Fp8Spec.from_config(config)
+  spec = _dot.Fp8Spec.from_config(config)
   backward_gemms: list = []
   sites = find_sites(env, jaxpr, backward_gemms)
   if backward_gemms:
@@ -445,7 +437,7 @@ def prepare_grouped(env, jaxpr, config) -> tuple[Fp8Run | None, list[Decision] |
   selected = {d.site.path: d.site.key for d in decisions if d.fp8}
   if not selected:
     return None, decisions
-  spec = _kernels()[0].Fp8Spec.from_config(config)
+  spec = _dot.Fp8Spec.from_config(config)
   return Fp8Run(spec, selected, None, grouped=frozenset(selected)), decisions
 
 
@@ -453,7 +445,6 @@ def dot(env, eqn, invals, path: tuple):
   """The fp8 GEMM of a selected site: `fp8_dot_general` on the operands as they arrive
   (any float dtype: the quantisation divides in f32), the result in the compute dtype (or
   the wider accumulator the traced program asked for, as the policy GEMM)."""
-  kernels, grouped = _kernels()
   run: Fp8Run = env.fp8
   key = run.selected[path]
   lt, rt = (np.dtype(v.aval.dtype) for v in eqn.invars[:2])
@@ -461,10 +452,11 @@ def dot(env, eqn, invals, path: tuple):
   explicit = pref is not None and np.dtype(pref).itemsize > max(lt.itemsize, rt.itemsize)
   out_dtype = np.dtype(pref) if explicit else np.dtype(env.policy.compute_dtype)
   if path in run.grouped:
-    return grouped.fp8_ragged_dot(invals[0], invals[1], invals[2], run.spec, out_dtype=out_dtype)
+    return _grouped.fp8_ragged_dot(invals[0], invals[1], invals[2], run.spec,
+                                   out_dtype=out_dtype)
   state = run.spec.init_state() if run.state_in is None else run.state_in[key]
-  out, new = kernels.fp8_dot_general(invals[0], invals[1], eqn.params["dimension_numbers"], state,
-                             run.spec, out_dtype=out_dtype)
+  out, new = _dot.fp8_dot_general(invals[0], invals[1], eqn.params["dimension_numbers"],
+                                  state, run.spec, out_dtype=out_dtype)
   if run.state_in is not None:  # stateless runs keep no record (sites may sit in loops)
     run.state_out[key] = new
   return out
@@ -474,7 +466,7 @@ def init_states(config, decisions: list[Decision]) -> dict:
   """Fresh state (zero histories, unit scales, zero counters) for every fp8 site, with
   the lengths of the scans around it leading."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  spec = _kernels()[0].Fp8Spec.from_config(config)
+  spec = _dot.Fp8Spec.from_config(config)
   out = {}
   for d in decisions:
     if d.fp8 and not d.site.grouped:

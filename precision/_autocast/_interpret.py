@@ -21,7 +21,7 @@ from precision import _compat
 from precision._policy import Policy
 from precision._autocast import _fp8
 from precision import _dtypes
-from precision._autocast import _overrides
+from precision import _overrides
 from precision._autocast import _regions
 from precision._autocast import _router
 from precision._autocast import _rules as R

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from precision import _plan
-from precision._autocast import _overrides
+from precision import _overrides
 from precision._dtypes import below_f32 as _below_f32
 from precision._dtypes import is_float as _is_float
 from precision._policy import Policy

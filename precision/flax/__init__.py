@@ -12,7 +12,7 @@ functional GEMMs), UnmatchedOverrideWarning (an override pattern that matches no
 path of the model marked). Every entry point takes a Plan (`precision.bind`) or what it binds.
 """
 
-from precision._autocast._overrides import UnmatchedOverrideWarning
+from precision._overrides import UnmatchedOverrideWarning
 from precision._gemm import PolicyConv
 from precision._gemm import PolicyDotGeneral
 from precision._gemm import policy_conv_general_dilated

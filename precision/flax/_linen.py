@@ -29,9 +29,10 @@ from flax.core import lift
 
 from precision import _trace_state
 from precision._policy import Policy, cast_floating
+from precision import _plan
 from precision._autocast import _api
 from precision import _keypath
-from precision._autocast import _overrides
+from precision import _overrides
 
 
 def _module_path(module: nn.Module) -> tuple:
@@ -128,8 +129,8 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Policy | str] | None = Non
     >>> with linen_policy(precision.bind("bf16_mixed", overrides={"head": "f32"})):
     ...   logits = model.apply(variables, x)
   """
-  _api.refuse_fp8_recipe(policy, "linen_policy")
-  spec = _api.AutocastSpec.make(policy, overrides, fp32_ops, module_base=nn.Module)
+  _plan.refuse_fp8_recipe(policy, "linen_policy")
+  spec = _plan.autocast_spec(policy, overrides, fp32_ops, module_base=nn.Module)
   matched: set = set()
   seen: set = set()
   transform = _autocast_transform(spec, matched, seen)

@@ -39,9 +39,10 @@ from flax import nnx
 from precision import _dtypes
 from precision import _intercept
 from precision._policy import Policy, cast_floating
+from precision import _plan
 from precision._autocast import _api
 from precision import _keypath
-from precision._autocast import _overrides
+from precision import _overrides
 from precision.flax import _scopes
 
 _api.register_scope_hook(_scopes.module_scopes)
@@ -279,8 +280,8 @@ def apply_policy(module: nnx.Module, policy: Any,
     raise ValueError(f"apply_policy expects an nnx.Module, got {type(module).__name__}")
   if not isinstance(replace, bool):
     raise ValueError(f"apply_policy replace={replace!r}; accepted: True or False")
-  _api.refuse_fp8_recipe(policy, "apply_policy")
-  spec = _api.AutocastSpec.make(policy, overrides, fp32_ops, module_base=nnx.Module)
+  _plan.refuse_fp8_recipe(policy, "apply_policy")
+  spec = _plan.autocast_spec(policy, overrides, fp32_ops, module_base=nnx.Module)
   old = spec_of(module)
   if old is not None and old != spec and not replace:
     raise ValueError(

@@ -22,9 +22,6 @@ Examples:
   dtype(bfloat16)
 """
 
-from precision.fp8._autocast import GemmSite
-from precision.fp8._autocast import autocast_gemms
-from precision.fp8._autocast import init_state
 from precision.fp8._dot import Fp8DotState
 from precision.fp8._dot import Fp8Spec
 from precision.fp8._dot import fp8_dot_general
@@ -55,6 +52,9 @@ from precision.fp8._scaling import OperandRecipe
 from precision.fp8._scaling import OperandState
 from precision.fp8._scaling import quantize
 from precision.fp8._scaling import scale_from_amax
+# `init_state`, `autocast_gemms` and `GemmSite` bind a recipe, so they live above the Plan
+# (which sits above this package), in precision/_autocast/_fp8_state.py; precision/__init__.py
+# attaches them here.
 # Deprecated aliases (merge_grad_state replaces them). The deprecated `value_and_grad` and
 # `autocast_value_and_grad` (precision.value_and_grad replaces them) live above this
 # package, in precision/_deprecated_grads.py; precision/__init__.py attaches them here.

@@ -26,7 +26,6 @@ the train steps above pass it.
 """
 
 from precision.optim._apply import apply_updates
-from precision.optim._build import build_optimizer
 from precision.optim._clip import clip_by_global_norm
 from precision.optim._clip import global_norm
 from precision.optim._direct import StochasticState
@@ -44,8 +43,6 @@ from precision.optim._inplace import order_after
 from precision.optim._inplace import update_and_apply
 from precision.optim._kahan import KahanState
 from precision.optim._kahan import kahan_updates
-from precision.optim._ledger import bytes_per_param
-from precision.optim._ledger import memory_ledger
 from precision.optim._loss_scale import DynamicLossScale
 from precision.optim._loss_scale import LossScale
 from precision.optim._loss_scale import NoOpLossScale
@@ -66,9 +63,11 @@ from precision.optim._spike import SpikeGuardState
 from precision.optim._spike import spike_guard
 from precision.optim._tree import all_finite
 from precision.optim._tree import select_tree
-# The deprecated `scaled_value_and_grad` (precision.value_and_grad(loss_fn, opt_state)
-# replaces it) lives above this package, in precision/_deprecated_grads.py;
-# precision/__init__.py attaches it here.
+# `build_optimizer`, `memory_ledger` and `bytes_per_param` bind a recipe, so they live above
+# the Plan (which derives its optimizer decisions from this package), in
+# precision/_optimizer.py; precision/__init__.py attaches them here. The deprecated
+# `scaled_value_and_grad` (precision.value_and_grad(loss_fn, opt_state) replaces it) lives
+# above this package too, in precision/_deprecated_grads.py, attached the same way.
 
 __all__ = [
     "DynamicLossScale",

@@ -34,6 +34,7 @@ from flax import nnx
 from flax.core import unfreeze
 
 from precision import _autocast
+from precision._autocast import _fp8_state
 from precision import _step_core
 from precision import flax as mp_flax
 from precision import fp8 as mp_fp8
@@ -257,7 +258,7 @@ def build(task: Task, recipe: Recipe, seed: int, fp8_keeps: tuple[str, ...] = ()
   if kind == "nnx":
     recipe = with_fp8_keeps(recipe, fp8_keeps)
   plan = bind(recipe, overrides=dict(overrides) if overrides else None)
-  tx = optim.build_optimizer(plan, task.optimizer, seed=seed)
+  tx = plan.optimizer(task.optimizer, seed=seed)
   held_out = None if task.evaluate is not None else task.held_out()
   prog = (_build_nnx(task, plan, seed, model, tx, held_out) if kind == "nnx"
           else _build_functional(task, plan, seed, kind, model, tx, held_out))
@@ -276,8 +277,7 @@ def _core(make_step, plan: Plan, inner, tx):
   seed hashes as the int does); any other recipe never reads the seed, and keeps the one
   optimizer built for the cell."""
   def core(state, batch, t, seed):
-    tx_seed = (optim.build_optimizer(plan, inner, seed=seed)
-               if seeds_rounding(plan) else tx)
+    tx_seed = plan.optimizer(inner, seed=seed) if seeds_rounding(plan) else tx
     return make_step(tx_seed)(state, batch, t)
   return core
 
@@ -372,8 +372,8 @@ def _build_functional(task, plan: Plan, seed, kind, model, tx, held_out) -> Prog
     # The fp8 entry points take the cell's plan itself (the same GEMM choice, bound once).
     vg = mp_value_and_grad(_autocast.autocast(loss_of, plan, fp8_state=True), has_aux=True)
     example = next(iter(task.batches(seed)))
-    fp8_state0 = mp_fp8.init_state(loss_of, plan, params, collections, example,
-                                   jax.random.key(0), jnp.ones((), _F32))
+    fp8_state0 = _fp8_state.init_state(loss_of, plan, params, collections, example,
+                                       jax.random.key(0), jnp.ones((), _F32))
     model_state = {"collections": collections, "fp8": fp8_state0}
   else:
     vg = jax.value_and_grad(_autocast.autocast(loss_of, plan), has_aux=True)

@@ -26,7 +26,7 @@ import math
 import os
 import numpy as np
 
-from precision import optim
+from precision import _optimizer
 from precision.study import _cells
 from precision.study import _config
 from precision.study import _floor
@@ -97,7 +97,7 @@ def judge(out: str, cfg, judging: Judging, floor_nudge: str | None = None) -> di
     health = _health(ds)
     row = {"recipe": recipe.name, "arm": arm, "control": arm == cfg.control,
            "final_metric": [d.get("final_metric") for d in ds], "health": health,
-           "costs": {"bytes_per_param": optim.bytes_per_param(recipe),
+           "costs": {"bytes_per_param": _optimizer.bytes_per_param(recipe),
                      "step_memory_bytes": next((d.get("step_memory_bytes") for d in ds
                                                 if d.get("step_memory_bytes")), None)},
            "n_params": next((d.get("n_params") for d in ds if d.get("n_params")), None)}

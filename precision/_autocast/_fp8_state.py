@@ -1,4 +1,7 @@
 """fp8 GEMMs for any JAX function, through `precision.autocast`: state, step, report.
+Public as `precision.fp8.init_state`, `precision.fp8.autocast_gemms` and
+`precision.fp8.GemmSite` (`precision/__init__.py` attaches them: they bind a recipe, so
+they sit above the Plan, which the fp8 package sits below).
 
 `precision.autocast(fn, recipe)` with a recipe that has fp8 GEMMs runs the forward
 dot_generals of `fn` through `fp8_dot_general` (which ones: `autocast_gemms`; the rules:
@@ -34,6 +37,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from precision._autocast import _api
 from precision._autocast import _fp8
+from precision import _plan
 from precision._plan import Plan, as_plan
 from precision._recipe import Recipe
 from precision.fp8._dot import Fp8DotState
@@ -77,7 +81,7 @@ def _spec_and_fn(fn: Callable, recipe: Any, overrides, fp32_ops, fp8_state: bool
   plan = as_plan(recipe, overrides, fp32_ops)  # bound once
   if fp8_state is None:
     fp8_state = plan.fp8 is not None and plan.fp8.scaling == "delayed"
-  return _api.AutocastSpec.make(plan, fp8_state=fp8_state), fn
+  return _plan.autocast_spec(plan, fp8_state=fp8_state), fn
 
 
 def _decisions(fn, recipe, args, kwargs, overrides, fp32_ops, fp8_state):
