@@ -6,7 +6,10 @@ same batches, under a recipe with dynamic loss scaling (f16_mixed) and one with 
 delayed-scaling state (fp8_hybrid), with a batch holding an inf (the step is skipped),
 the params, the optimizer state (loss scale, skip counters, moments) and the fp8 scaling
 state after the steps are the same bits through `jit_train_step`, the study's cell step
-(`Program.step`), the study's seed-batched program (`Program.core` under `jax.vmap`), the
+(`Program.step`), the study's seed-batched program as it runs on CPU (`Program.core`
+looped over the slots, `study._batched.batched_step(..., "loop")`; under `jax.vmap` one
+f32 param of f16_mixed came out 1 ulp apart on an AVX2-only CPU (AMD EPYC), bit-equal on
+an AVX-512 one: the vmapped program is other code), the
 study's params-kind cell (a param pytree under `precision.autocast`; f16 only, see the
 test) and the data-parallel step on one device. The optimizer is SGD with a power-of-two
 learning rate: its update ``p - lr * g`` then holds no rounded product, so the FMA
@@ -14,7 +17,7 @@ contraction XLA:CPU makes fusion by fusion (tests/test_optim_inplace.py) cannot 
 bit. With Adam the same arithmetic compiles to different code in these programs (measured
 with adamw(1e-2), 3 steps: the data-parallel fp8 step's second moments ``b2 * nu + (1 - b2)
 * g * g`` differ from train_step's while its first moments, hence its gradients, are
-equal; the vmapped study program's params differ with all moments equal), which the core
+equal; a vmapped study program's params differ with all moments equal), which the core
 does not decide.
 
 `test_train_step_and_the_data_parallel_step_take_the_same_step`: the eager `train_step`
@@ -34,6 +37,7 @@ from jax.sharding import Mesh
 import precision as mp
 from precision import parallel
 from precision.study import Task
+from precision.study import _batched as study_batched
 from precision.study import _models as study_models
 
 STEPS = 3
@@ -173,14 +177,18 @@ def _through_study_step(recipe):
 
 
 def _through_study_seed_batch(recipe):
-  # One seed stacked, as precision.study._batched stacks many.
+  # The study's seed-batched program as it runs on CPU (precision.study._batched, "loop":
+  # the one-seed step once per slot inside one program): the seed and a padding slot
+  # that never steps. (A vmapped step sums its GEMMs in another order; the study states
+  # that difference, tests/test_study_batched.py.)
   prog = study_models.build(_task(_f32_model, _nnx_loss), recipe, 0)
-  stack = lambda tree: jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
-  state = stack(prog.state)
-  core = jax.jit(jax.vmap(prog.core))
+  stack = lambda *trees: jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]),
+                                      *trees)
+  state = stack(prog.state, prog.state)
+  step = jax.jit(study_batched.batched_step(prog.core, None, "loop"))
   for t, batch in enumerate(_batches()):
-    state, _ = core(state, stack(batch), jnp.asarray([t], jnp.int32),
-                    jnp.asarray([0], jnp.uint32))
+    state, _ = step(state, stack(batch, batch), jnp.int32(t),
+                    jnp.asarray([0, 0], jnp.uint32), jnp.asarray([True, False]))
   state = jax.tree.map(lambda x: x[0], state)
   return state.params, state.opt_state, _fp8_of(prog, state)
 
