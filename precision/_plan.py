@@ -28,8 +28,7 @@ from precision._autocast_spec import AutocastSpec
 from precision._policy import Policy, get_policy
 from precision.optim import _build
 from precision.optim._decisions import OptimizerDecisions
-from precision._recipe import (MICRO_SCALINGS, PRESETS, Fp8Config, LossScaleConfig, Recipe,
-                               SpikeGuardConfig, get_recipe)
+from precision._recipe import MICRO_SCALINGS, PRESETS, Fp8Config, Recipe, get_recipe
 
 
 _F32 = np.dtype(np.float32)

@@ -17,8 +17,9 @@ A recipe with fp8 GEMMs runs the traced function's forward dot_generals through 
 precision._autocast._fp8 for which ones); delayed scaling carries its state explicitly
 (`fp8_state=True`).
 
-Size: AutocastSpec (validation of policy, overrides, fp32 ops and fp8) and the
-run/trace/write-back of `autocast` are the one entry point every front end calls.
+The spec it runs under (`precision._autocast_spec.AutocastSpec`) is decided by the Plan
+(`precision._plan.autocast_spec`); the run/trace/write-back here is the one entry point
+every front end calls.
 """
 
 from __future__ import annotations
@@ -34,10 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision import _deprecation
-from precision import _fp32_ops
 from precision import _trace_state
-from precision._policy import Policy, cast_floating, dtype_name, get_policy
-from precision._recipe import DEFAULT_FP32_OPS, Fp8Config, PRESETS, Recipe
+from precision._policy import cast_floating
 from precision._autocast import _fp8
 from precision import _overrides
 from precision import _plan
