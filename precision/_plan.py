@@ -337,10 +337,6 @@ def autocast_spec(policy: Any, overrides: Mapping[Any, Any] | None = None, fp32_
   """The AutocastSpec `precision.autocast` and the Flax policies run under, validated:
   what `policy` (any of the inputs they take) and these arguments decide.
 
-  Examples:
-    >>> autocast_spec("bf16_mixed", {"head": "f32"}).describe()
-    "recipe 'bf16_mixed' (p=f32,c=bf16,o=f32), overrides {'head': 'p=f32,c=f32,o=f32'}"
-
   Args:
     policy: a Policy, a policy string ("p=f32,c=bf16,o=f32"), a Recipe, a preset
       recipe name ("bf16_mixed") or a Plan (`precision.bind`): a recipe contributes its
@@ -352,11 +348,16 @@ def autocast_spec(policy: Any, overrides: Mapping[Any, Any] | None = None, fp32_
     recompute_f32: recompute the f32 glue between GEMMs (norms, softmax) in the backward
       pass instead of saving its f32 intermediates (see precision._autocast._regions).
     fp8_state: the fp8 scaling state is an explicit argument and result.
+
   Raises:
     ValueError: a bad policy, override or op name; an fp8 compute dtype (fp8 GEMMs need
       scaling: an fp8 recipe); a recipe with delayed fp8 scaling without
       `fp8_state=True` (its amax histories are state); `fp8_state=True` without a recipe
       with fp8 GEMMs.
+
+  Examples:
+    >>> autocast_spec("bf16_mixed", {"head": "f32"}).describe()
+    "recipe 'bf16_mixed' (p=f32,c=bf16,o=f32), overrides {'head': 'p=f32,c=f32,o=f32'}"
   """
   if not isinstance(fp8_state, bool):
     raise ValueError(f"fp8_state={fp8_state!r}; accepted: True or False")
