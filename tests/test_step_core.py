@@ -182,12 +182,10 @@ def _through_study_seed_batch(recipe):
   # that never steps. (A vmapped step sums its GEMMs in another order; the study states
   # that difference, tests/test_study_batched.py.)
   prog = study_models.build(_task(_f32_model, _nnx_loss), recipe, 0)
-  stack = lambda *trees: jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]),
-                                      *trees)
-  state = stack(prog.state, prog.state)
+  state = study_batched._stack([prog.state, prog.state])
   step = jax.jit(study_batched.batched_step(prog.core, None, "loop"))
   for t, batch in enumerate(_batches()):
-    state, _ = step(state, stack(batch, batch), jnp.int32(t),
+    state, _ = step(state, study_batched._stack([batch, batch]), jnp.int32(t),
                     jnp.asarray([0, 0], jnp.uint32), jnp.asarray([True, False]))
   state = jax.tree.map(lambda x: x[0], state)
   return state.params, state.opt_state, _fp8_of(prog, state)
