@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import optax
 
 from precision.optim import _direct
@@ -18,8 +17,6 @@ from precision.optim import _moments
 from precision.optim import _seed
 from precision.optim import _spike
 from precision.optim._decisions import OptimizerDecisions
-
-_F32 = np.dtype(np.float32)
 
 
 def chain(opt: OptimizerDecisions, inner: optax.GradientTransformation, *, seed: Any = 0,
