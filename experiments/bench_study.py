@@ -62,10 +62,12 @@ def run_one(task, recipes, seeds, steps, out, seed_batch) -> dict:
   cfg = study.make_config(list(recipes), seeds, steps)
   train = _train_seconds(out, cfg)
   n = len(cfg.grid()) * steps
-  statuses = sorted({_cells.read_done(out, c)["status"] for c in cfg.grid()})
+  done = {c.name: _cells.read_done(out, c) for c in cfg.grid()}
+  statuses = sorted({d["status"] for d in done.values()})
   return {"seed_batch": seed_batch, "wall_s": wall, "train_s": train, "steps": n,
           "steps_per_s_wall": n / wall, "steps_per_s_train": n / train,
-          "statuses": statuses}
+          "statuses": statuses,
+          "fingerprints": {name: d.get("fingerprint") for name, d in done.items()}}
 
 
 def bench(tasks, recipes, seeds, steps, seed_batch, out) -> dict:
@@ -79,9 +81,17 @@ def bench(tasks, recipes, seeds, steps, seed_batch, out) -> dict:
     for k in order:
       res["batched" if k != 1 else "sequential"] = run_one(
           task, recipes, seeds, steps, os.path.join(out, f"{name}_k{k}"), k)
-      print(f"  {name} seed_batch={k}: {json.dumps(res['batched' if k != 1 else 'sequential'])}",
-            file=sys.stderr, flush=True)
+      r = res["batched" if k != 1 else "sequential"]
+      print(f"  {name} seed_batch={k}: " + json.dumps(
+          {key: v for key, v in r.items() if key != "fingerprints"}), file=sys.stderr,
+          flush=True)
+    # Whether the two sides trained the same bits (the final state's fingerprint).
+    fs, fb = res["sequential"]["fingerprints"], res["batched"]["fingerprints"]
+    res["equal_cells"] = sum(fs[c] is not None and fs[c] == fb.get(c) for c in fs)
+    res["cells"] = len(fs)
     results[name] = res
+  equal = sum(r["equal_cells"] for r in results.values())
+  cells = sum(r["cells"] for r in results.values())
   total = {side: {"wall_s": sum(r[side]["wall_s"] for r in results.values()),
                   "train_s": sum(r[side]["train_s"] for r in results.values()),
                   "steps": sum(r[side]["steps"] for r in results.values())}
@@ -89,7 +99,7 @@ def bench(tasks, recipes, seeds, steps, seed_batch, out) -> dict:
   for side in total.values():
     side["steps_per_s_wall"] = side["steps"] / side["wall_s"]
     side["steps_per_s_train"] = side["steps"] / side["train_s"]
-  results["grid"] = total
+  results["grid"] = {**total, "equal_cells": equal, "cells": cells}
   return results
 
 
@@ -106,6 +116,9 @@ def table(results: dict, seed_batch: int) -> str:
     lines.append(f"| {name} | ratio (batched / sequential) | | "
                  f"{b['steps_per_s_wall'] / s['steps_per_s_wall']:.2f}x | | "
                  f"{b['steps_per_s_train'] / s['steps_per_s_train']:.2f}x |")
+  lines.append("")
+  lines.append("Cells whose final state has the same bits on both sides: " + "; ".join(
+      f"{name} {res['equal_cells']} of {res['cells']}" for name, res in results.items()))
   return "\n".join(lines)
 
 

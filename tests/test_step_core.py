@@ -182,8 +182,10 @@ def _through_study_seed_batch(recipe):
   # that never steps. (A vmapped step sums its GEMMs in another order; the study states
   # that difference, tests/test_study_batched.py.)
   prog = study_models.build(_task(_f32_model, _nnx_loss), recipe, 0)
+  # The core the study runs in each slot: the one-seed step's own trace.
+  _, core = study_batched.one_seed_step(prog, prog.state, _batches()[0])
   state = study_batched._stack([prog.state, prog.state])
-  step = jax.jit(study_batched.batched_step(prog.core, None, "loop"))
+  step = jax.jit(study_batched.batched_step(core, None, "loop"))
   for t, batch in enumerate(_batches()):
     state, _ = step(state, study_batched._stack([batch, batch]), jnp.int32(t),
                     jnp.asarray([0, 0], jnp.uint32), jnp.asarray([True, False]))

@@ -84,12 +84,16 @@ def test_default_rule_and_identity():
     assert _batched.default_seed_batch(3, 1)[:2] == (1, 1)
     assert _batched.default_seed_batch(20, 8) == (8, 8, "vmap")
     assert _batched.default_seed_batch(2, 8)[:2] == (2, 2)
-  # An explicit K: the most local devices that divide it; seeds sharing a CPU device
-  # run in a loop inside the program.
+  # An explicit K: the most local devices that divide it; seeds sharing a forced CPU
+  # device run in a loop inside the program; on a CPU of one device, the one-seed
+  # executable on host threads.
   assert _batched.check_seed_batch(6, 8, 4) == (6, 3, "loop")
-  assert _batched.check_seed_batch(8, 8, 1) == (8, 1, "loop")
-  assert _batched.default_how("cpu") == "loop" and _batched.default_how("gpu") == "vmap"
+  assert _batched.check_seed_batch(8, 8, 1) == (8, 1, "threads")
+  assert _batched.default_how("cpu") == "threads" and _batched.default_how("cpu", 2) == "loop"
+  assert _batched.default_how("gpu") == "vmap"
   assert _batched.identity_items(_batched.SeedBatch(1, 1)) == {}  # one-seed: as before
+  # Threads run one-seed cells' executable: their numbers, their identity.
+  assert _batched.identity_items(_batched.SeedBatch(8, 1, "threads")) == {}
   assert _batched.identity_items(_batched.SeedBatch(2, 2)) == {
       "seed_batch": {"k": 2, "devices": 2}}
   assert _batched.identity_items(_batched.SeedBatch(4, 2, "vmap")) == {
@@ -170,14 +174,49 @@ class _Interrupt(Exception):
   pass
 
 
+@pytest.mark.parametrize("name,recipes", [
+    ("nnx_mlp.py:task", ("bf16_sr", "fp8_hybrid")),
+    pytest.param("params_mlp.py:task", ("fp32", "bf16_sr", "f16_mixed", "fp8_hybrid"),
+                 marks=pytest.mark.slow),
+    pytest.param("linen_cnn.py:make_task", ("bf16_master",), marks=pytest.mark.slow),
+])
+def test_threads_give_every_cell_its_one_seed_bits(tmp_path, name, recipes):
+  # "threads" (a CPU's seed batching on one device) steps each seed with the group's one
+  # compiled one-seed step: every record, evaluation, fingerprint and the memory column
+  # are one-seed cells' bit for bit, stochastic rounding's seeded program included.
+  t = task(name)
+  cfg = study.make_config(list(recipes), 3, 4, eval_every=2, save_every=2)
+  settings = _cells.CellSettings(4, 2, 2, 50, ())
+  sb = _batched.SeedBatch(3, 1, "threads")
+  for d in ("one", "threads"):
+    os.makedirs(tmp_path / d)
+  strip = lambda recs: [{k: v for k, v in r.items() if k != "step_time_s"} for r in recs]
+  with user_code():
+    for arm in (r for r in cfg.arms() if r[0] in recipes):
+      cells = [c for c in cfg.grid() if c.arm == arm[0]]
+      for c in cells:
+        _cells.run_cell(t, c, settings, str(tmp_path / "one"))
+      _batched.run_group(t, cells, settings, str(tmp_path / "threads"), sb)
+      for c in cells:
+        a, b = (_cells.read_done(str(tmp_path / d), c) for d in ("one", "threads"))
+        assert a["status"] == b["status"] == "ok", (c.name, a.get("error"), b.get("error"))
+        for key in ("fingerprint", "eval_curve", "final_loss", "step_memory_bytes",
+                    "skipped_steps", "final_loss_scale"):
+          assert a[key] == b[key], (c.name, key)
+        assert strip(_cells.read_steps(str(tmp_path / "one"), c)) == strip(
+            _cells.read_steps(str(tmp_path / "threads"), c))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sb", [_batched.SeedBatch(2, 2), _batched.SeedBatch(2, 1, "loop"),
-                                _batched.SeedBatch(2, 1, "vmap")], ids=str)
+                                _batched.SeedBatch(2, 1, "vmap"),
+                                _batched.SeedBatch(2, 1, "threads")], ids=str)
 def test_killed_group_resumes_bit_exactly(tmp_path, sb):
   # A group interrupted after 13 of its 2 x 10 steps (a KeyboardInterrupt, as a kill at
   # that point), one cell's newest checkpoint then removed (it resumes from an older one
   # than its neighbour's), and rerun: the same cells as an uninterrupted run of the same
-  # program (one seed per device, both seeds looped on one, or vmapped on one).
+  # program (one seed per device, both seeds looped on one, vmapped on one, or the
+  # one-seed step on host threads).
   t = task()
   ref = tmp_path / "ref"
   out = tmp_path / "killed"
@@ -287,7 +326,10 @@ def _train_k(t, recipe, k, steps, devices=1, how="loop"):
     mesh = Mesh(np.asarray(jax.devices()[:devices]), ("seed",))
     sh = NamedSharding(mesh, PartitionSpec("seed"))
     put = lambda x: jax.device_put(x, sh)
-  step = _batched.batched_step(progs[0].core, mesh, how)
+  # The core the study runs in each slot (the one-seed step's own trace; stochastic
+  # rounding's traced with the seed an argument).
+  _, core = _batched.one_seed_step(progs[0], progs[0].state, next(iter(t.batches(0))))
+  step = _batched.batched_step(core, mesh, how)
   state, seeds, active = put(state), put(seeds), put(active)
   fn = jax.jit(step)
   its = [iter(t.batches(s)) for s in range(k)]

@@ -78,8 +78,10 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--seed-batch", type=int, metavar="K",
                   help="seeds of a recipe trained by one compiled program (1 to --seeds, "
                        "or to --max-seeds with --seeds auto: each round's new seeds in "
-                       "groups of K; 1: one program per cell; default: the study's own, "
-                       "else one seed per local device on an accelerator, 1 on CPU)")
+                       "groups of K; 1: one program per cell; on a CPU of one device "
+                       "the one-seed step on host threads, with one-seed cells' numbers; "
+                       "default: the study's own, else one seed per local device on an "
+                       "accelerator, 1 on CPU)")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--no-faithful-rounding", action="store_true")
   # Stopping on a signal (_signals) and the Slurm submit script (_slurm).

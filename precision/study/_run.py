@@ -225,18 +225,20 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       (stops/slice-K-of-N.json) and `Stopped` is raised; the same call continues
       bit-exactly. Handled only when `run` is called from the main thread.
     requeue: under Slurm, a stop also requeues this job (``scontrol requeue``).
-    seed_batch: K, seeds of a recipe trained by one compiled program over stacked state
-      (the seed axis sharded over the most local devices dividing K; seeds sharing a
-      device run in a loop inside the program on CPU, vmapped on an accelerator), 1 to
-      `seeds`; 1: one program per cell. None: the study's own
+    seed_batch: K, seeds of a recipe trained by one compiled program, 1 to `seeds`; 1:
+      one program per cell. Over several local devices the seed axis is sharded over
+      the most of them dividing K (seeds sharing a device run in a loop inside the
+      program on forced CPU host devices, vmapped on an accelerator); there a seed's
+      numbers depend on K and the device count (batched GEMMs sum in another order; each
+      group is padded to K so they depend on nothing else), so both are part of the
+      study's identity. On a CPU of one device the group's compiled one-seed step runs
+      each seed on host threads: one-seed cells' numbers bit for bit, so the identity
+      does not record it and the study continues with any K. None: the study's own
       choice when `out` holds one, else on an accelerator one seed per local device
-      (K = min(seeds, local devices, 8); 1 on a one-device machine) and on CPU 1. For
-      K > 1 a seed's numbers depend on K and the device count (batched GEMMs sum in
-      another order; each group is padded to K so they depend on nothing else), so both
-      are part of the study's identity. With seeds="auto" each round's new seeds of an
-      arm run in groups of up to K (1 to `max_seeds`); with `retry_failed` a failed cell
-      is retried in a group of its own (padded to K: the same numbers).
-
+      (K = min(seeds, local devices, 8); 1 on a one-device machine) and on CPU 1. With
+      seeds="auto" each round's new seeds of an arm run in groups of up to K (1 to
+      `max_seeds`); with `retry_failed` a failed cell is retried in a group of its own
+      (padded to K: the same numbers).
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
     `out`), else None (other slices are still to run: then `report_only(out)`).
