@@ -103,6 +103,9 @@ def test_fixed_seeds_run_in_slices_and_merge(tmp_path):
     (["--seeds", "1"], "--seeds 1; accepted"),
     (["--seeds", "two"], "--seeds 'two'; accepted"),
     (["--seeds", "3", "--max-seeds", "6"], "--max-seeds 6 with --seeds 3"),
+    (["--seed-batch", "0", "--tasks", "plain_lm", "--quick"], "seed_batch=0; accepted"),
+    (["--seed-batch", "4", "--tasks", "plain_lm", "--quick"],
+     "seed_batch=4; accepted: an integer from 1 to max_seeds (3)"),
 ])
 def test_bad_seed_options_are_one_line_and_touch_nothing(tmp_path, capsys, argv, words):
   out = tmp_path / "out"
@@ -113,6 +116,18 @@ def test_bad_seed_options_are_one_line_and_touch_nothing(tmp_path, capsys, argv,
   err = capsys.readouterr().err.strip().splitlines()
   assert rc == 2 and words in err[-1], err
   assert not out.exists()
+
+
+def test_seed_batch_groups_each_rounds_seeds_on_a_one_device_cpu(monkeypatch):
+  # On a CPU of one device the sweep's studies run each arm's seeds of a round as one
+  # group ("threads": one program per cell's numbers); elsewhere the library's default.
+  assert sweep.SweepConfig(seed_batch=1).study_seed_batch() == 1
+  monkeypatch.setattr(jax, "local_device_count", lambda: 1)
+  assert sweep.SweepConfig().study_seed_batch() == 6       # max_seeds
+  assert sweep.SweepConfig(seeds=4).study_seed_batch() == 4
+  assert sweep.SweepConfig(seeds=20).study_seed_batch() == 8
+  monkeypatch.setattr(jax, "local_device_count", lambda: 8)
+  assert sweep.SweepConfig().study_seed_batch() is None
 
 
 def test_sweep_optimizer_is_experiments_train_s():

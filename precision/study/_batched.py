@@ -22,8 +22,8 @@ report's memory column), and run in one of two ways:
   one-seed step itself, several seeds at once on host threads. It is the executable a
   one-seed cell runs, so every seed's numbers are its one-seed cell's bit for bit
   (tests/test_study_batched.py); what the group saves is the per-cell trace, compile
-  (or compilation-cache load) and first execution, and two seeds at once keep a 2-core
-  CPU busier than one seed's small GEMMs do.
+  (or compilation-cache load) and first execution, and several seeds at once keep a
+  CPU busier than one seed's small GEMMs do (`threads_for`).
 
 Over stacked state every group is padded to exactly K slots (copies of its first seed,
 never active): a seed's numbers are then a function of (recipe, seed, K, devices)
@@ -93,8 +93,8 @@ def default_how(backend: str, devices: int = 1) -> str:
   is faster per seed there: a vmapped step was measured slower than the one-seed step
   (0.6x to 0.8x on the sweep's GPT and plain LM), the looped one 0.9x to 1.4x, and
   either costs a second compile per group; "threads" runs the one-seed executable
-  itself, compiled once per group, two seeds at a time on this project's 2-core
-  machines (experiments/bench_study.py)."""
+  itself, compiled once per group, several seeds at a time (`threads_for`;
+  experiments/bench_study.py)."""
   if backend != "cpu":
     return "vmap"
   return "threads" if devices == 1 else "loop"

@@ -274,13 +274,13 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
     raise ValueError(f"telemetry_whatif={telemetry_whatif!r}; accepted: True or False")
   if not isinstance(retry_failed, bool):
     raise ValueError(f"retry_failed={retry_failed!r}; accepted: True or False")
-  pre = _Preflight(task, cfg)
-  # Seed batching (`_batched`): checked, and the batches stackable, before anything is saved.
-  # The budget of seeds per recipe: a sequential study's max_seeds (its rounds may reach
-  # it), else the seeds.
+  # Seed batching (`_batched`): checked before the task runs, and the batches stackable
+  # before anything is saved. The budget of seeds per recipe: a sequential study's
+  # max_seeds (its rounds may reach it), else the seeds.
   budget = cfg.sequential.max_seeds if cfg.sequential is not None else cfg.seeds
   sb = _batched.resolve(seed_batch, out, budget, jax.local_device_count(),
                        "max_seeds" if cfg.sequential is not None else "the seeds per recipe")
+  pre = _Preflight(task, cfg)
   if sb.k > 1:
     whole = (dataclasses.replace(cfg, seeds=budget).grid() if cfg.sequential is not None
              else cfg.grid()[k - 1::n])
