@@ -420,14 +420,12 @@ class _Stacked:
   time (waiting, finished, padding) are masked: their state is kept bit for bit."""
 
   def __init__(self, first: _Slot, states: list, seeds: np.ndarray, sb: SeedBatch):
-    traced, compiled = _trace_one(first.prog, states[0], first.batch, first.pos)
-    self.memory = _cells.compiled_memory(compiled)
+    self.memory, core = one_seed_step(first.prog, states[0], first.batch, first.pos)
     mesh, self.sharding = None, None
     if sb.devices > 1:
       mesh = Mesh(np.asarray(jax.local_devices()[:sb.devices]), ("seed",))
       self.sharding = NamedSharding(mesh, PartitionSpec("seed"))
-    self._fn = jax.jit(batched_step(_core_of(first.prog, traced), mesh, sb.how),
-                       donate_argnums=(0,))
+    self._fn = jax.jit(batched_step(core, mesh, sb.how), donate_argnums=(0,))
     self._compiled = None
     self.k = self.width = sb.k
     # Every leaf in a buffer of its own (the padding slots share the first seed's
