@@ -67,6 +67,11 @@ QUICK_RECIPES = ("fp32", "bf16_master", "f16_mixed")
 TASKS = ("gpt", "plain_lm")
 
 
+def _one_device_cpu() -> bool:
+  """Whether the study's seed batching runs "threads" here (a CPU of one device)."""
+  return jax.default_backend() == "cpu" and jax.local_device_count() == 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
   """What the sweep runs. Defaults: the CPU main job, chosen from measurements on the
@@ -152,7 +157,7 @@ class SweepConfig:
     """The seed_batch the sweep's studies run with (see `seed_batch`)."""
     if self.seed_batch is not None:
       return self.seed_batch
-    if jax.default_backend() == "cpu" and jax.local_device_count() == 1:
+    if _one_device_cpu():
       return min(self.max_seeds if self.sequential else self.seeds, 8)
     return None
 
@@ -367,7 +372,7 @@ def _batching_words(cfg: SweepConfig) -> str:
   k = cfg.study_seed_batch()
   if k is None or k == 1:
     return "one program per cell" if k == 1 else "the library's seed batching"
-  if jax.default_backend() == "cpu" and jax.local_device_count() == 1:
+  if _one_device_cpu():
     return (f"up to {k} seeds of a recipe per group on host threads (the numbers of one "
             "program per cell)")
   return f"seed_batch {k}"

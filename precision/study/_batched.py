@@ -427,7 +427,7 @@ class _Stacked:
       self.sharding = NamedSharding(mesh, PartitionSpec("seed"))
     self._fn = jax.jit(batched_step(core, mesh, sb.how), donate_argnums=(0,))
     self._compiled = None
-    self.k = self.width = sb.k
+    self.width = sb.k
     # Every leaf in a buffer of its own (the padding slots share the first seed's
     # arrays), stacked on the host: no device program runs outside the step.
     self.state = _stack(states, self.sharding)
@@ -440,7 +440,7 @@ class _Stacked:
   def step(self, live: list[int], batches: list, t: int) -> dict:
     """One step of the `live` slots on `batches` (one per slot, K of them; the others'
     are fillers of the same shapes); the metrics, indexed by slot."""
-    active = np.zeros((self.k,), bool)
+    active = np.zeros((self.width,), bool)
     active[live] = True
     args = (_stack(batches, self.sharding), jnp.int32(t), self.seeds,
             jax.device_put(active, self.sharding))
@@ -489,7 +489,7 @@ class _Threaded:
 
   def step(self, live: list[int], batches: list, t: int) -> dict:
     futures = {i: self._pool.submit(self._one, i, batches[i], t) for i in live}
-    out = {f: [0] * len(self.states) for f in _FIELDS}
+    out = {f: [0] * self.width for f in _FIELDS}
     for i, fut in futures.items():
       self.states[i], m = fut.result()
       for f in _FIELDS:

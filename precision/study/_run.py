@@ -239,6 +239,7 @@ def run(task: Task, recipes: Sequence[str | Recipe] | str = ("fp32", "bf16_mixed
       seeds="auto" each round's new seeds of an arm run in groups of up to K (1 to
       `max_seeds`); with `retry_failed` a failed cell is retried in a group of its own
       (padded to K: the same numbers).
+
   Returns:
     The StudyResult once every cell of the grid is finished (the report written into
     `out`), else None (other slices are still to run: then `report_only(out)`).
